@@ -1,0 +1,16 @@
+"""accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate."""
+from .fully_sharded import FullyShardedDataParallel
+from .grad_norm import clip_grad_norm_
+from .mixed_precision import MixedPrecision
+from .unit import BackwardPrefetch
+from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "clip_grad_norm_",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+]
+__version__ = "0.1.0"

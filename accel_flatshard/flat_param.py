@@ -1,0 +1,283 @@
+"""Flat-parameter layout and storage: how one unit's parameters live in one padded, sharded buffer.
+
+Layout (world size W of the shard group, alignment A elements)::
+
+    flat index:  0 ........................................................ padded_numel
+                 | p0 | pad | p1 ........ | pad | p2 | pad ...... | tail pad |
+    shards:      |<- rank 0: shard_numel ->|<- rank 1 ->| ...  |<- rank W-1 ->|
+
+* Every original parameter starts at a multiple of A (so its views are aligned) and occupies
+  ``numel`` consecutive elements; ``padded_numel`` is a multiple of ``W * A`` so every shard has the
+  same length ``shard_numel`` and starts aligned.
+* Rank r owns ``[r * shard_numel, (r + 1) * shard_numel)``: its ``local_shard``.  A parameter may be
+  split between ranks, lie wholly on one rank, or be absent from a rank (empty slice).
+* Padding is never visible: the original parameters are views of their own slices only, and the
+  gradient of a padding element is zero because nothing but those views reads the buffer.
+
+Storage held by a :class:`FlatParameter` (per rank):
+
+* ``local_shard`` - this rank's slice, in the parameters' own dtype (the fp32 master under mixed
+  precision).  Each original ``nn.Parameter`` keeps its identity, but its ``.data`` is the 1-D view of
+  its part of ``local_shard`` (possibly empty), so optimizers update the shard in place and keep
+  state of size 1/W.
+* ``unsharded`` - a leaf tensor of ``padded_numel`` elements in compute dtype.  While the unit runs,
+  the modules' attributes are views of it, so autograd accumulates one flat gradient into
+  ``unsharded.grad``.  Its storage is freed by resizing to zero bytes and re-grown in place, which
+  keeps views (and tensors that autograd saved) valid once data is gathered back.
+* ``sharded_grad`` - this rank's slice of the reduced gradient, in the parameters' dtype; each
+  original parameter's ``.grad`` is a view of its part.
+
+No process group is used here: collectives live in ``comm.py`` and are scheduled by ``engine.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+DEFAULT_ALIGNMENT = 16  # elements; 64 bytes in fp32, 32 in bf16
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one original parameter lives in the flat buffer."""
+
+    fqn: str  # the name it is reported under (first module that registers it)
+    shape: torch.Size
+    numel: int
+    offset: int  # start in the flat buffer (aligned)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that lies in one rank's shard."""
+
+    slot_index: int
+    param_start: int  # first element of the parameter covered (in flattened parameter order)
+    shard_start: int  # where that element sits in the rank's local shard
+    length: int
+
+
+class FlatParamLayout:
+    """Pure-data layout: offsets, padding and per-rank shard pieces for a list of shapes."""
+
+    def __init__(
+        self,
+        fqns: Sequence[str],
+        shapes: Sequence[torch.Size],
+        world_size: int,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {alignment}")
+        self.world_size = world_size
+        self.alignment = alignment
+        slots: List[ParamSlot] = []
+        cursor = 0
+        for fqn, shape in zip(fqns, shapes):
+            shape = torch.Size(shape)
+            cursor = _round_up(cursor, alignment)
+            numel = math.prod(shape)
+            slots.append(ParamSlot(fqn, shape, numel, cursor))
+            cursor += numel
+        self.slots: Tuple[ParamSlot, ...] = tuple(slots)
+        self.unpadded_numel = cursor
+        # One split of the flat buffer into [gap, p0, gap, p1, ..., tail]: taking every parameter's view
+        # from a single split gives autograd one backward node that concatenates the gradients (O(N)),
+        # instead of one full-size scatter per parameter.
+        self.split_sizes: List[int] = []
+        self.split_param_index: List[int] = []
+        cursor = 0
+        for slot in self.slots:
+            self.split_sizes.append(slot.offset - cursor)
+            self.split_param_index.append(len(self.split_sizes))
+            self.split_sizes.append(slot.numel)
+            cursor = slot.offset + slot.numel
+        self.padded_numel = max(_round_up(cursor, world_size * alignment), world_size * alignment)
+        self.shard_numel = self.padded_numel // world_size
+        self.split_sizes.append(self.padded_numel - cursor)
+
+    def shard_pieces(self, rank: int) -> List[ShardPiece]:
+        """The pieces of each parameter that rank ``rank`` holds, in slot order (empty ones included)."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        pieces = []
+        for i, slot in enumerate(self.slots):
+            start = min(max(slot.offset, lo), hi)
+            end = max(min(slot.offset + slot.numel, hi), lo)
+            length = max(end - start, 0)
+            pieces.append(ShardPiece(i, start - slot.offset if length else 0, start - lo if length else 0, length))
+        return pieces
+
+    def padding_mask(self) -> torch.Tensor:
+        """Boolean mask over the flat buffer: True where no parameter lives."""
+        mask = torch.ones(self.padded_numel, dtype=torch.bool)
+        for slot in self.slots:
+            mask[slot.offset : slot.offset + slot.numel] = False
+        return mask
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatParamLayout({len(self.slots)} params, numel={self.unpadded_numel}, "
+            f"padded={self.padded_numel}, W={self.world_size}, shard={self.shard_numel})"
+        )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class FlatParameter:
+    """The storage of one flat parameter: local shard, unsharded buffer, sharded gradient.
+
+    ``params[i]`` is the original ``nn.Parameter`` of slot ``i``; ``users[i]`` lists every
+    ``(module, attribute name)`` that registers it (more than one when parameters are tied).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        users: Sequence[Sequence[Tuple[nn.Module, str]]],
+        rank: int,
+        world_size: int,
+        compute_dtype: Optional[torch.dtype] = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatParameter needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"parameters of one FlatParameter must share dtype and device, got {dtypes}, {devices}")
+        self.params = list(params)
+        self.users = [list(u) for u in users]
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.compute_dtype = compute_dtype or self.dtype
+        self.requires_grad = params[0].requires_grad
+        self.rank = rank
+        self.layout = FlatParamLayout(fqns, [p.shape for p in params], world_size, alignment)
+        self.pieces = self.layout.shard_pieces(rank)
+
+        self.local_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.sharded_grad: Optional[torch.Tensor] = None
+        self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        self.unsharded.requires_grad_(self.requires_grad)
+        # Collectives write through this alias of the same storage.  It has its own version counter, so
+        # re-gathering does not look like an in-place change of the views that autograd saved.
+        self._gather_target = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self._gather_target.set_(self.unsharded.untyped_storage(), 0, self.unsharded.shape)
+        self._full_bytes = self.unsharded.untyped_storage().nbytes()
+        self.free_unsharded()
+
+    # ------------------------------------------------------------------ building
+    def flatten_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the original parameters' current values into ``out`` (a full flat buffer)."""
+        out.zero_()
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params):
+                out[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        return out
+
+    def full_flat_from_params(self) -> torch.Tensor:
+        return self.flatten_into(torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device))
+
+    def set_local_shard_from_full(self, full: torch.Tensor) -> None:
+        lo = self.rank * self.layout.shard_numel
+        with torch.no_grad():
+            self.local_shard.copy_(full[lo : lo + self.layout.shard_numel])
+
+    # ------------------------------------------------------------------ unsharded storage
+    @property
+    def is_unsharded(self) -> bool:
+        return self.unsharded.untyped_storage().nbytes() > 0
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Grow the unsharded storage back in place; returns the alias to gather into."""
+        storage = self.unsharded.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._full_bytes)
+        return self._gather_target
+
+    def free_unsharded(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat tensor."""
+        lo = self.rank * self.layout.shard_numel
+        return full[lo : lo + self.layout.shard_numel]
+
+    # ------------------------------------------------------------------ views
+    def unsharded_views(self) -> List[torch.Tensor]:
+        """Views of ``unsharded`` shaped like the original parameters (autograd-tracked when enabled)."""
+        pieces = torch.split(self.unsharded, self.layout.split_sizes)
+        return [pieces[i].view(s.shape) for i, s in zip(self.layout.split_param_index, self.layout.slots)]
+
+    def install_views(self, views: Sequence[torch.Tensor]) -> None:
+        """Make every user module's attribute resolve to the given view.
+
+        The view is written into the module's instance ``__dict__``: attribute lookup finds it before
+        ``nn.Module.__getattr__`` consults ``_parameters``, so the original Parameter stays registered
+        (names, order and ``named_parameters()`` are unchanged) while forward computes with the view.
+        """
+        for view, users in zip(views, self.users):
+            for module, name in users:
+                module.__dict__[name] = view
+
+    def uninstall_views(self) -> None:
+        for users in self.users:
+            for module, name in users:
+                module.__dict__.pop(name, None)
+
+    def point_params_at_shard(self) -> None:
+        """Original parameters become 1-D views of their slices of ``local_shard``."""
+        for piece, p in zip(self.pieces, self.params):
+            p.data = self.local_shard.narrow(0, piece.shard_start, piece.length)
+
+    def point_params_at_full(self, full: torch.Tensor) -> None:
+        """Original parameters become full-shaped views of ``full`` (used by summon_full_params)."""
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # ------------------------------------------------------------------ gradients
+    def grad_views(self) -> Iterator[Tuple[nn.Parameter, torch.Tensor]]:
+        assert self.sharded_grad is not None
+        for piece, p in zip(self.pieces, self.params):
+            yield p, self.sharded_grad.narrow(0, piece.shard_start, piece.length)
+
+    def accumulate_sharded_grad(self, new_grad: torch.Tensor) -> None:
+        """Add a freshly reduced shard gradient to the parameters' ``.grad``.
+
+        A parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) starts from zero; one whose
+        ``.grad`` the user replaced by another tensor contributes that tensor.  Afterwards every
+        ``.grad`` is again a view of ``sharded_grad``.
+        """
+        new_grad = new_grad.to(self.dtype)
+        if self.sharded_grad is None:
+            self.sharded_grad = torch.zeros_like(self.local_shard)
+            fresh = True
+        else:
+            fresh = all(p.grad is None for p in self.params)
+        if fresh:
+            self.sharded_grad.copy_(new_grad)
+        else:
+            for p, view in self.grad_views():
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                    view.copy_(p.grad.reshape(-1))
+            self.sharded_grad.add_(new_grad)
+        for p, view in self.grad_views():
+            p.grad = view
+
+    def numel_bytes(self) -> int:
+        """Bytes this rank holds for the shard and its gradient."""
+        n = self.local_shard.numel() * self.local_shard.element_size()
+        if self.sharded_grad is not None:
+            n += self.sharded_grad.numel() * self.sharded_grad.element_size()
+        return n

@@ -1,0 +1,413 @@
+"""The wrapper: builds units and flat parameters from a model and owns what spans units.
+
+``FullyShardedDataParallel(model)`` decides the units (root + auto-wrapped blocks), assigns every
+parameter to one unit (tied parameters to the lowest unit that contains all their users), builds the
+flat parameters, shards them, and keeps the step-level state that all units share (``_RootState``:
+engine, execution order, prefetch, backward bookkeeping).  Per-unit transitions live in ``unit.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from .comm import ShardGroup
+from .engine import Engine
+from .flat_param import FlatParameter
+from .grad_norm import clip_grad_norm_ as _clip_grad_norm
+from .mixed_precision import MixedPrecision
+from .profiler import NULL_PROFILER
+from .unit import BackwardPrefetch, Unit, UnitState
+from .wrap import Policy, select_units
+
+_UNIT_ATTR = "_flatshard_unit"
+
+
+class _RootState:
+    """Step-level state shared by every unit of one wrapped model."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        backward_prefetch: Optional[BackwardPrefetch],
+        forward_prefetch: bool,
+        mixed_precision: Optional[MixedPrecision],
+    ) -> None:
+        self.engine = engine
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.mixed_precision = mixed_precision
+        self.units: List[Unit] = []
+        self.sync_grads = True
+        self.in_backward = False
+        self._callback_queued = False
+        self.recorded_order: Optional[List[Unit]] = None
+        self._order_index: Dict[Unit, int] = {}
+        self._current_order: List[Unit] = []
+        self._current_set: set = set()
+        self._order_ok = True
+        self._warned_order = False
+
+    # ------------------------------------------------------------------ forward
+    def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+        if self.in_backward:
+            return args, kwargs
+        self.engine.begin_step()
+        self._current_order, self._current_set, self._order_ok = [], set(), True
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return args, kwargs
+
+    def on_unit_forward(self, unit: Unit) -> None:
+        """Record the execution order, check it against the recorded one, prefetch the next unit."""
+        if unit in self._current_set:
+            return  # a unit called twice in one forward keeps its first position
+        index = len(self._current_order)
+        self._current_order.append(unit)
+        self._current_set.add(unit)
+        recorded = self.recorded_order
+        if recorded is None:
+            return
+        if self._order_ok and (index >= len(recorded) or recorded[index] is not unit):
+            self._order_ok = False
+            if not self._warned_order:
+                self._warned_order = True
+                warnings.warn(
+                    "accel_flatshard: units ran in a different order than in the first step; prefetch is "
+                    f"off for this step and follows the new order afterwards.\n  recorded: "
+                    f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
+                    stacklevel=4,
+                )
+        if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
+            recorded[index + 1].unshard()
+
+    def post_root_forward(self) -> None:
+        if self.recorded_order is None or not self._order_ok or len(self._current_order) != len(self.recorded_order):
+            self.recorded_order = list(self._current_order)
+            self._order_index = {u: i for i, u in enumerate(self.recorded_order)}
+        if not torch.is_grad_enabled():
+            for unit in self.units:  # no backward follows: free everything
+                unit.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def on_backward_start(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def prefetch_before(self, unit: Unit) -> None:
+        """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
+        if not self._order_ok or self.recorded_order is None:
+            return
+        index = self._order_index.get(unit)
+        if index:
+            previous = self.recorded_order[index - 1]
+            if previous.state == UnitState.AWAIT_BACKWARD:
+                previous.unshard()
+
+    def finish_backward(self) -> None:
+        """End of backward (autograd callback): complete reductions, free everything, reset states."""
+        self.engine.finish_reduces()
+        for unit in self.units:
+            unit.finish()
+        self.in_backward = False
+        self._callback_queued = False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a model's parameters, gradients and optimizer state over data-parallel ranks (ZeRO-3).
+
+    Args:
+        module: the model; its parameters must all be on one device (CPU with gloo, CUDA with nccl).
+        process_group: ranks to shard over (default: the world).
+        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel)`` choosing the inner units, e.g.
+            :func:`transformer_auto_wrap_policy` or :func:`size_based_auto_wrap_policy`; torch's
+            policies work too.  ``None``: one unit (the root).
+        reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3); ``False``
+            keeps them until backward (ZeRO-2 like: more memory, one all-gather less).
+        backward_prefetch: ``None``, ``BackwardPrefetch.BACKWARD_PRE`` or ``BACKWARD_POST``.
+        forward_prefetch: gather the next unit while the current one runs forward.
+        fsdp_group_size: shard inside groups of this many ranks and all-reduce across groups (hybrid).
+        mixed_precision: a :class:`MixedPrecision` policy.
+        sync_module_states: broadcast rank 0's parameters and buffers to every rank at wrap time.
+        limit_all_gathers: at most this many all-gathers in flight.
+
+    After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
+    objects, each a 1-D view of this rank's slice of its values; build the optimizer from them
+    (before or after wrapping).  Example::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        auto_wrap_policy: Optional[Policy] = None,
+        reshard_after_forward: bool = True,
+        backward_prefetch: Optional[BackwardPrefetch] = None,
+        forward_prefetch: bool = False,
+        fsdp_group_size: Optional[int] = None,
+        mixed_precision: Optional[MixedPrecision] = None,
+        sync_module_states: bool = True,
+        limit_all_gathers: int = 2,
+        profiler=None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
+        _check_not_wrapped(module)
+        self.module = module
+        self.shard_group = ShardGroup(process_group, fsdp_group_size)
+        device = _module_device(module)
+        _check_device(device, self.shard_group.backend, module)
+        self.mixed_precision = mixed_precision
+        reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
+        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler or NULL_PROFILER)
+        self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
+
+        unit_modules = select_units(module, auto_wrap_policy)
+        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        owned = _assign_owners(module, unit_modules)
+        param_dtype = mixed_precision.param_dtype if mixed_precision else None
+        for unit_module in unit_modules:
+            flats = [
+                self._build_flat(params, fqns, users, param_dtype, sync_module_states)
+                for params, fqns, users in owned[id(unit_module)]
+            ]
+            unit = Unit(unit_module, names[id(unit_module)], flats, self._root, unit_module is module, reshard_after_forward)
+            unit_module.__dict__[_UNIT_ATTR] = unit
+            self._root.units.append(unit)
+        self._sync_buffers(sync_module_states)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _build_flat(self, params, fqns, users, param_dtype, sync_module_states) -> FlatParameter:
+        group = self.shard_group
+        compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
+        flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype)
+        full = flat.full_flat_from_params()
+        if sync_module_states:
+            group.broadcast_from_rank0(full)
+        flat.set_local_shard_from_full(full)
+        flat.point_params_at_shard()
+        for p in params:
+            p._flatshard_group = group  # lets clip_grad_norm_ find the shard group of a parameter
+        return flat
+
+    def _sync_buffers(self, sync_module_states: bool) -> None:
+        buffer_dtype = self.mixed_precision.buffer_dtype if self.mixed_precision else None
+        for module in self.module.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is None:
+                    continue
+                if sync_module_states:
+                    self.shard_group.broadcast_from_rank0(buf)
+                if buffer_dtype is not None and buf.is_floating_point():
+                    module._buffers[name] = buf.to(buffer_dtype)
+
+    # ------------------------------------------------------------------ nn.Module surface
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The original parameters under their original names (no wrapper prefix)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """Inside :meth:`summon_full_params`: the plain model's state dict.  Outside: this rank's shards
+        (1-D slices under the original names), to be loaded back at the same world size."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def units(self) -> List[Unit]:
+        return self._root.units
+
+    @property
+    def flat_params(self) -> List[FlatParameter]:
+        return [f for u in self._root.units for f in u.flat_params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally; the first backward outside reduces them all at once.
+
+        Costs one full-size gradient per unit in memory, saves one reduce-scatter per micro-step.
+        """
+        previous = self._root.sync_grads
+        self._root.sync_grads = False
+        try:
+            yield
+        finally:
+            self._root.sync_grads = previous
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Gather every parameter in full: inside, the model's parameters have their real shapes, so
+        ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works.
+
+        With ``writeback`` (default) changes made inside are kept.  Example::
+
+            with model.summon_full_params():
+                full = model.state_dict()   # on every rank
+        """
+        self._check_idle("summon_full_params")
+        self._root.engine.drain()
+        gathered: List[Tuple[FlatParameter, torch.Tensor, List[Optional[torch.Tensor]]]] = []
+        try:
+            for flat in self.flat_params:
+                full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+                self.shard_group.all_gather(full, flat.local_shard, async_op=False)
+                grads = [p.grad for p in flat.params]
+                for p in flat.params:
+                    p.grad = None
+                flat.point_params_at_full(full)
+                gathered.append((flat, full, grads))
+            for unit in self.units:
+                unit.state = UnitState.SUMMONED
+            yield
+        finally:
+            for flat, full, grads in gathered:
+                if writeback:
+                    flat.set_local_shard_from_full(full)
+                flat.point_params_at_shard()
+                for p, g in zip(flat.params, grads):
+                    p.grad = g
+            for unit in self.units:
+                unit.state = UnitState.IDLE
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their global norm over every rank; returns the total norm."""
+        return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group)
+
+    def sharded_bytes(self) -> int:
+        """Bytes this rank holds in parameter shards and sharded gradients."""
+        return sum(f.numel_bytes() for f in self.flat_params)
+
+    def _check_idle(self, what: str) -> None:
+        busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
+        if busy or self._root.in_backward:
+            raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
+
+    def extra_repr(self) -> str:
+        g = self.shard_group
+        return f"units={len(self.units)}, shard_size={g.shard_size}, replicas={g.world_size // g.shard_size}"
+
+
+# ---------------------------------------------------------------------- ownership
+def _assign_owners(
+    root: nn.Module, unit_modules: List[nn.Module]
+) -> Dict[int, List[Tuple[List[nn.Parameter], List[str], List[List[Tuple[nn.Module, str]]]]]]:
+    """For each unit, its flat-parameter groups: (params, fqns, users), one group per (dtype, requires_grad).
+
+    A parameter belongs to the innermost unit containing its module; a parameter registered by modules
+    of several units (tied weights) belongs to their lowest common ancestor unit.
+    """
+    unit_ids = {id(m) for m in unit_modules}
+    innermost: Dict[int, nn.Module] = {}  # module id -> innermost unit module containing it
+    unit_parent: Dict[int, Optional[nn.Module]] = {id(root): None}
+
+    def visit(module: nn.Module, current_unit: nn.Module) -> None:
+        innermost[id(module)] = current_unit
+        for child in module.children():
+            if id(child) in innermost:
+                continue
+            child_unit = child if id(child) in unit_ids else current_unit
+            if child_unit is child:
+                unit_parent[id(child)] = current_unit
+            visit(child, child_unit)
+
+    visit(root, root)
+
+    def chain(unit: nn.Module) -> List[nn.Module]:
+        out = [unit]
+        while unit_parent[id(unit)] is not None:
+            unit = unit_parent[id(unit)]
+            out.append(unit)
+        return out
+
+    users: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    first_name: Dict[int, str] = {}
+    order: List[nn.Parameter] = []
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in users:
+                users[id(p)] = []
+                first_name[id(p)] = f"{mod_name}.{attr}" if mod_name else attr
+                order.append(p)
+            if (module, attr) not in users[id(p)]:
+                users[id(p)].append((module, attr))
+
+    groups: Dict[int, Dict[Tuple[torch.dtype, bool], Tuple[list, list, list]]] = {id(m): {} for m in unit_modules}
+    for p in order:
+        chains = [chain(innermost[id(m)]) for m, _ in users[id(p)]]
+        owner = next(u for u in chains[0] if all(any(u is v for v in c) for c in chains[1:]))
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {first_name[id(p)]} has dtype {p.dtype}; only floating-point parameters can be sharded")
+        bucket = groups[id(owner)].setdefault((p.dtype, p.requires_grad), ([], [], []))
+        bucket[0].append(p)
+        bucket[1].append(first_name[id(p)])
+        bucket[2].append(users[id(p)])
+    return {uid: list(g.values()) for uid, g in groups.items()}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    devices = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(p.device, name)
+    if len(devices) > 1:
+        listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
+        raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. Move the model with .to(device) first")
+    if devices:
+        return next(iter(devices))
+    return torch.device("cpu")
+
+
+def _check_device(device: torch.device, backend: str, module: nn.Module) -> None:
+    if device.type == "meta":
+        raise ValueError(f"{type(module).__name__} has parameters on the meta device; materialise them first")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call model.to('cuda') first or use gloo")
+    if backend == "gloo" and device.type == "cuda":
+        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl backend for CUDA")
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        where = name or type(module).__name__
+        if _UNIT_ATTR in sub.__dict__ or isinstance(sub, FullyShardedDataParallel):
+            raise ValueError(f"module {where!r} is already wrapped by accel_flatshard; wrap the model once")
+        cls = type(sub).__module__ + "." + type(sub).__name__
+        if cls.startswith("torch.distributed.fsdp") or cls.startswith("torch.nn.parallel.distributed"):
+            raise ValueError(f"module {where!r} is already wrapped by {type(sub).__name__}; pass the unwrapped model")
+        if type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard"):
+            raise ValueError(f"module {where!r} was sharded by torch fully_shard (FSDP2); pass an unsharded model")

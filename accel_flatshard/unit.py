@@ -1,0 +1,191 @@
+"""The per-unit state machine: what one wrapped unit does at each point of a training step.
+
+A unit is one module (a transformer block, or the root) plus the flat parameters of the parameters
+it owns.  Its transitions, each one small method below::
+
+    IDLE --pre_forward--> FORWARD --post_forward--> AWAIT_BACKWARD --pre_backward--> BACKWARD
+      ^                                                                                   |
+      +------------------------------ finish (end of backward, root callback) <-----------+
+
+* pre_forward: gather (or wait for a prefetched gather), prefetch the next unit, point the module's
+  attributes at views of the unsharded buffers.
+* post_forward: restore the attributes, hook the outputs for backward, reshard (unless root or
+  ``reshard_after_forward=False``).
+* pre_backward (first gradient reaching an output): gather again, prefetch the previous unit.
+* post_backward (per flat parameter, once its full gradient is accumulated): start the reduction,
+  reshard, optionally prefetch.
+
+A forward that runs while the model is in backward is an activation-checkpointing recomputation: it
+finds the unit unsharded (gathering if needed) and neither hooks outputs nor reshards.
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .flat_param import FlatParameter
+
+if TYPE_CHECKING:
+    from .fully_sharded import _RootState
+
+
+class BackwardPrefetch(enum.Enum):
+    """When to start gathering the unit that runs next in backward.
+
+    ``BACKWARD_PRE``: when the current unit's backward starts (most overlap, one more unit in memory).
+    ``BACKWARD_POST``: when the current unit's gradients are complete (less memory, less overlap).
+    """
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class UnitState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    AWAIT_BACKWARD = enum.auto()
+    BACKWARD = enum.auto()
+    SUMMONED = enum.auto()
+
+
+class Unit:
+    """One module and the flat parameters it owns."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        flat_params: List[FlatParameter],
+        root: "_RootState",
+        is_root: bool,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.name = name or "<root>"
+        self.flat_params = flat_params
+        self.root = root
+        self.is_root = is_root
+        self.reshard_after_forward = reshard_after_forward and not is_root
+        self.state = UnitState.IDLE
+        self._grads_arrived = 0  # trainable flat params whose gradient arrived in this backward
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward_hook),
+        ]
+        for flat in flat_params:
+            if flat.requires_grad:
+                self._handles.append(flat.unsharded.register_post_accumulate_grad_hook(self._make_post_backward(flat)))
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, {len(self.flat_params)} flat params, {self.state.name})"
+
+    @property
+    def trainable_flats(self) -> List[FlatParameter]:
+        return [f for f in self.flat_params if f.requires_grad]
+
+    # ------------------------------------------------------------------ gather / free
+    def unshard(self) -> None:
+        for flat in self.flat_params:
+            self.root.engine.unshard(flat, self.name)
+
+    def wait_unshard(self) -> None:
+        for flat in self.flat_params:
+            self.root.engine.wait_unshard(flat, self.name)
+
+    def reshard(self) -> None:
+        for flat in self.flat_params:
+            self.root.engine.reshard(flat)
+
+    def is_unsharded(self) -> bool:
+        return all(f.is_unsharded for f in self.flat_params)
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.is_root:
+            args, kwargs = self.root.pre_root_forward(args, kwargs)
+        if self.root.in_backward:  # activation-checkpointing recomputation
+            self.unshard()
+            self.wait_unshard()
+            self._install_views()
+            return args, kwargs
+        self.state = UnitState.FORWARD
+        self.unshard()
+        self.wait_unshard()
+        self.root.on_unit_forward(self)
+        self._install_views()
+        return args, kwargs
+
+    def _install_views(self) -> None:
+        for flat in self.flat_params:
+            flat.install_views(flat.unsharded_views())
+
+    def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        for flat in self.flat_params:
+            flat.uninstall_views()
+        if self.root.in_backward:
+            return output
+        if torch.is_grad_enabled():
+            self._hook_outputs_for_backward(output)
+            self.state = UnitState.AWAIT_BACKWARD
+            if self.reshard_after_forward:
+                self.reshard()
+        else:
+            self.state = UnitState.IDLE
+            if not self.is_root:
+                self.reshard()
+        if self.is_root:
+            self.root.post_root_forward()
+        return output
+
+    def _hook_outputs_for_backward(self, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad: Optional[torch.Tensor]) -> None:
+        self.root.on_backward_start()
+        if self.state == UnitState.BACKWARD:
+            return  # a second output (or a second forward's output) of the same backward
+        self.state = UnitState.BACKWARD
+        self.unshard()
+        self.wait_unshard()
+        if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+            self.root.prefetch_before(self)
+
+    def _make_post_backward(self, flat: FlatParameter):
+        def hook(tensor: torch.Tensor) -> None:
+            self._post_backward(flat)
+
+        return hook
+
+    def _post_backward(self, flat: FlatParameter) -> None:
+        self.root.on_backward_start()  # a unit whose outputs carried no hook still ends the step
+        if self.root.sync_grads:
+            grad = flat.unsharded.grad
+            flat.unsharded.grad = None
+            self.root.engine.reduce_grad(flat, grad, self.name)
+        # no_sync: the full gradient stays in flat.unsharded.grad and keeps accumulating
+        self._grads_arrived += 1
+        if self._grads_arrived == len(self.trainable_flats):
+            # every gradient of this unit is complete: nothing in this backward reads its params again
+            self.reshard()
+            if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+                self.root.prefetch_before(self)
+
+    # ------------------------------------------------------------------ end of step
+    def finish(self) -> None:
+        for flat in self.flat_params:
+            flat.uninstall_views()
+        self.reshard()
+        self.state = UnitState.IDLE
+        self._grads_arrived = 0
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

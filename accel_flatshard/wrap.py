@@ -1,0 +1,133 @@
+"""Auto-wrap policies and the choice of units.
+
+A policy has torch's signature ``policy(module, recurse, nonwrapped_numel) -> bool``: with
+``recurse=True`` it says whether to look inside ``module``; with ``recurse=False`` whether ``module``
+becomes a unit of its own, given the number of its parameters that no inner unit claimed.  So torch's
+own ``transformer_auto_wrap_policy`` / ``size_based_auto_wrap_policy`` partials (what accelerate
+builds) work here unchanged, and ours work with torch FSDP.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable, List, Optional, Sequence, Set, Type, Union
+
+import torch.nn as nn
+
+Policy = Callable[[nn.Module, bool, int], bool]
+
+
+def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, classes: tuple) -> bool:
+    if recurse:
+        return True
+    return isinstance(module, classes)
+
+
+def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min_num_params: int) -> bool:
+    if recurse:
+        return True
+    return nonwrapped_numel >= min_num_params
+
+
+def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) -> Set[Type[nn.Module]]:
+    """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``).
+
+    Raises ``ValueError`` naming what was looked for when a name matches no submodule class.
+    """
+    if names is None:
+        names = _no_split_modules(model)
+        if not names:
+            raise ValueError(
+                f"{type(model).__name__} has no `_no_split_modules`; pass the transformer block classes "
+                "explicitly, e.g. transformer_auto_wrap_policy(model, ['LlamaDecoderLayer'])"
+            )
+    wanted = {n if isinstance(n, str) else n.__name__ for n in names}
+    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    missing = wanted - {c.__name__ for c in found}
+    if missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"layer class(es) {sorted(missing)} not found in {type(model).__name__}; "
+            f"module classes present: {present}"
+        )
+    return found
+
+
+def _no_split_modules(model: nn.Module) -> List[str]:
+    names: List[str] = []
+    for m in model.modules():
+        for n in getattr(m, "_no_split_modules", None) or []:
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def transformer_auto_wrap_policy(
+    model_or_classes: Union[nn.Module, Sequence[Union[str, Type[nn.Module]]]],
+    layer_classes: Optional[Sequence[Union[str, Type[nn.Module]]]] = None,
+) -> Policy:
+    """Wrap every transformer block as its own unit.
+
+    ``transformer_auto_wrap_policy(model)`` takes the block classes from a Hugging Face model's
+    ``_no_split_modules``; ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
+    ``transformer_auto_wrap_policy([MyBlock])`` gives the classes directly.
+
+    Example::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    """
+    if isinstance(model_or_classes, nn.Module):
+        classes = block_classes_of(model_or_classes, layer_classes)
+    else:
+        classes = set()
+        for c in model_or_classes:
+            if isinstance(c, str):
+                raise ValueError(f"class name {c!r} needs the model: transformer_auto_wrap_policy(model, [{c!r}])")
+            classes.add(c)
+    return functools.partial(_transformer_policy, classes=tuple(classes))
+
+
+def size_based_auto_wrap_policy(min_num_params: int = int(1e8)) -> Policy:
+    """Make a unit of every module whose not-yet-wrapped parameters number at least ``min_num_params``."""
+    return functools.partial(_size_policy, min_num_params=int(min_num_params))
+
+
+def select_units(root: nn.Module, policy: Optional[Policy]) -> List[nn.Module]:
+    """The modules that become units, root first, in pre-order (the usual forward order).
+
+    Recursion as in torch's wrapper: children are decided before their parent, so the parent's
+    ``nonwrapped_numel`` counts only parameters that no inner unit claimed.  The root is always a unit.
+    """
+    units: List[nn.Module] = []
+    if policy is not None:
+        seen: Set[int] = set()
+        for child in root.children():
+            _select(child, policy, units, seen)
+    chosen = {id(m) for m in units}
+    ordered = [m for m in root.modules() if id(m) in chosen]
+    return [root] + ordered
+
+
+def _select(module: nn.Module, policy: Policy, units: List[nn.Module], seen: Set[int]) -> int:
+    """Decide units inside ``module``; returns the numel of its parameters not claimed by a unit."""
+    if not policy(module=module, recurse=True, nonwrapped_numel=0):
+        return _numel(module, seen)
+    nonwrapped = 0
+    for child in module.children():
+        nonwrapped += _select(child, policy, units, seen)
+    for p in module.parameters(recurse=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            nonwrapped += p.numel()
+    if policy(module=module, recurse=False, nonwrapped_numel=nonwrapped):
+        units.append(module)
+        return 0
+    return nonwrapped
+
+
+def _numel(module: nn.Module, seen: Set[int]) -> int:
+    n = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n

@@ -1,0 +1,71 @@
+"""Spawn N gloo ranks running one function; collect rank results.  Keeps multi-process tests short."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    out = os.path.join(result_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world_size: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``fn`` must be a module-level function (it is pickled).  A failure on any rank raises with that
+    rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, result_dir, timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s + 60)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(result_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+                continue
+            payload = torch.load(path, weights_only=False)
+            if payload["ok"]:
+                results.append(payload["result"])
+            else:
+                errors.append(f"rank {r}:\n{payload['error']}")
+        if errors:
+            raise RuntimeError("distributed test failed\n" + "\n".join(errors))
+        return results
