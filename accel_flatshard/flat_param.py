@@ -259,11 +259,8 @@ class FlatParameter:
         """
         new_grad = new_grad.to(self.dtype)
         if self.sharded_grad is None:
-            self.sharded_grad = torch.zeros_like(self.local_shard)
-            fresh = True
-        else:
-            fresh = all(p.grad is None for p in self.params)
-        if fresh:
+            self.sharded_grad = new_grad  # take ownership of the reduced buffer: no copy
+        elif all(p.grad is None for p in self.params):
             self.sharded_grad.copy_(new_grad)
         else:
             for p, view in self.grad_views():
@@ -274,6 +271,12 @@ class FlatParameter:
             self.sharded_grad.add_(new_grad)
         for p, view in self.grad_views():
             p.grad = view
+
+    def release_grad_if_unused(self) -> None:
+        """Drop ``sharded_grad`` once the user set every ``.grad`` to None (``zero_grad()``), so its
+        memory is free during the next forward, as with unsharded gradients."""
+        if self.sharded_grad is not None and all(p.grad is None for p in self.params):
+            self.sharded_grad = None
 
     def numel_bytes(self) -> int:
         """Bytes this rank holds for the shard and its gradient."""

@@ -57,6 +57,9 @@ class _RootState:
         if self.in_backward:
             return args, kwargs
         self.engine.begin_step()
+        for unit in self.units:
+            for flat in unit.flat_params:
+                flat.release_grad_if_unused()
         self._current_order, self._current_set, self._order_ok = [], set(), True
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:

@@ -1,0 +1,356 @@
+"""The Accelerate backend: ``Accelerator``, a drop-in subclass of ``accelerate.Accelerator``.
+
+Use it with a standard accelerate yaml (``distributed_type: FSDP``, ``fsdp_config`` with
+``fsdp_version: 1`` keys); it shards the model with :class:`FullyShardedDataParallel` where accelerate
+would use torch FSDP.  What differs from plain accelerate, and why:
+
+* On a host without GPUs accelerate silently trains unsharded under an FSDP config (each process
+  alone).  Here the process group is gloo over all launched processes and the state is switched to
+  ``DistributedType.FSDP`` after accelerate set it up as MULTI_CPU (the only CPU type it knows).
+* ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
+  optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
+  through accelerate's own preparation.
+* ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
+  the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
+  accelerate's own and work unchanged.
+* ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``: an inf/nan in any rank's gradient
+  shard skips the step on every rank (also on CPU, where accelerate would silently run fp32).
+
+:func:`register` makes ``accelerate.Accelerator`` resolve to this class for code imported afterwards
+(``python -m accel_flatshard.run train.py`` calls it, so unmodified scripts work).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from types import MethodType
+from typing import Any, Iterable, List, Optional, Union
+
+import accelerate
+import accelerate.accelerator
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
+from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+from ..fully_sharded import FullyShardedDataParallel
+from ..grad_norm import clip_grad_norm_ as _global_clip_grad_norm
+from . import checkpointing
+from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
+from .config import fsdp_version_requested, options_from_plugin
+
+_BaseAccelerator = accelerate.accelerator.Accelerator
+_BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
+
+__all__ = ["Accelerator", "register"]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+class Accelerator(_BaseAccelerator):
+    """``accelerate.Accelerator`` that shards with accel_flatshard under an FSDP config.
+
+    Takes exactly ``accelerate.Accelerator``'s arguments.  Without an FSDP config (no
+    ``distributed_type: FSDP`` in the launch config, no ``fsdp_plugin``) it behaves as accelerate's.
+
+    Example (launched with ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml``)::
+
+        from accel_flatshard.integrations.accelerate import Accelerator
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        accelerator.save_state("ckpt")          # FULL_STATE_DICT or SHARDED_STATE_DICT per fsdp_config
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_env()
+        bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
+        params = {k: v for k, v in bound.arguments.items() if k != "self"}
+        plugin = params.get("fsdp_plugin")
+        self._flatshard_options: Optional[FlatShardOptions] = None
+        wants_fsdp = _flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)
+        if not wants_fsdp:
+            super().__init__(**params)
+            return
+        check_fsdp_version(fsdp_version_requested(plugin))
+        # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
+        # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
+        without_device = bool(params.get("cpu")) or _flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+        if without_device:
+            if plugin is None:
+                plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
+            params["fsdp_plugin"] = plugin
+            params["cpu"] = True
+        super().__init__(**params)
+        if without_device and not self._switch_to_fsdp(plugin):
+            return
+        if self.distributed_type != DistributedType.FSDP:
+            return  # e.g. a single process without a launcher: accelerate trains unsharded, so do we
+        self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision)
+        self._setup_grad_scaler()
+
+    # ------------------------------------------------------------------ setup
+    def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
+        """Turn accelerate's MULTI_CPU state into FSDP (what AcceleratorState does for GPU types)."""
+        state = self.state
+        if state.distributed_type == DistributedType.FSDP:
+            return True  # a second Accelerator in the same process: the shared state is switched already
+        if state.distributed_type != DistributedType.MULTI_CPU or not dist.is_initialized():
+            warnings.warn(
+                "accel_flatshard: an FSDP config was given but the script was not launched on several "
+                f"processes (distributed_type {state.distributed_type}); training unsharded. Use "
+                "`accelerate launch --config_file ... script.py`.",
+                stacklevel=3,
+            )
+            return False
+        if state.mixed_precision != "no" and getattr(plugin, "mixed_precision_policy", None) is None:
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        # PartialState keeps its own copy of the shared dict; accelerate's gather/save helpers read it.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        return True
+
+    def _setup_grad_scaler(self) -> None:
+        """fp16 needs loss scaling; a sharded-aware scaler all-reduces "found inf" over every rank."""
+        if self.state.mixed_precision != "fp16":
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if isinstance(self.scaler, ShardedGradScaler):
+            return  # accelerate made one already (GPU host)
+        kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+        # accelerate skips fp16 on CPU altogether (no autocast, no scaler): enable both.
+        self.native_amp = True
+        self.scaler = ShardedGradScaler(device=self.device.type, **kwargs)
+
+    @property
+    def flatshard_options(self) -> Optional[FlatShardOptions]:
+        """The options models are wrapped with (None when not sharding)."""
+        return self._flatshard_options
+
+    # ------------------------------------------------------------------ prepare
+    def prepare_model(
+        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        opts = self._flatshard_options
+        if opts is None or evaluation_mode:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if getattr(model, "_is_accelerate_prepared", False):
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        if isinstance(model, FullyShardedDataParallel):  # wrapped by hand, as accelerate allows for torch FSDP
+            self._check_single_model(model)
+            self._models.append(model)
+            model._is_accelerate_prepared = True
+            return model
+        _check_not_wrapped_elsewhere(model)
+        self._check_single_model(model)
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            raise ValueError(
+                "torch.compile (dynamo_backend) is not supported together with accel_flatshard; set "
+                "`dynamo_backend: 'NO'` in the accelerate config"
+            )
+        policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
+        self._materialize_and_place(model)
+        if self.native_amp:
+            _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
+        if opts.activation_checkpointing:
+            _apply_activation_checkpointing(wrapped)
+        wrapped._is_accelerate_prepared = True
+        self._models.append(wrapped)
+        return wrapped
+
+    def _check_single_model(self, model: nn.Module) -> None:
+        others = [m for m in self._models if isinstance(m, FullyShardedDataParallel) and m is not model]
+        if others:
+            raise ValueError(
+                "accel_flatshard prepares one model per Accelerator (optimizers, checkpoints and gradient "
+                f"clipping are tied to it); {type(others[0].module).__name__} is already prepared and "
+                f"{type(model).__name__} was passed too. Put both in one nn.Module, or prepare the second "
+                "one with `accelerator.prepare_model(model, evaluation_mode=True)` if it is not trained"
+            )
+
+    def _materialize_and_place(self, model: nn.Module) -> None:
+        """Give meta parameters storage (cpu_ram_efficient_loading), keep fp32 masters, move to the device."""
+        device = self.device
+        if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+            if not self._flatshard_options.sync_module_states:
+                raise ValueError(
+                    "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
+                    "fsdp_sync_module_states is false: nothing would fill them; set it to true"
+                )
+            model.to_empty(device=device)  # values arrive from rank 0 (sync_module_states) when wrapping
+            if hasattr(model, "tie_weights"):
+                model.tie_weights()
+        if self.state.mixed_precision != "no":
+            low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+            if low:
+                # as accelerate does for torch FSDP: the sharded master copy (what the optimizer updates)
+                # is fp32; compute still happens in the mixed-precision dtype.
+                warnings.warn(f"accel_flatshard: upcasting {len(low)} low-precision parameters to fp32 "
+                              f"(e.g. {low[0]}) because mixed precision is on", stacklevel=4)
+                for p in model.parameters():
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        p.data = p.data.float()
+        if any(p.device != device for p in model.parameters()):
+            model.to(device)
+
+    # ------------------------------------------------------------------ training-time calls
+    def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor:
+        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP."""
+        if self._flatshard_options is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not any(getattr(p, "_flatshard_group", None) is not None for p in params):
+            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        self.unscale_gradients()
+        for model in self._models:
+            if isinstance(model, FullyShardedDataParallel):
+                own = list(model.parameters())
+                if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
+                    return model.clip_grad_norm_(max_norm, norm_type)
+        # a subset (e.g. one param group): still a global norm over every rank's shards of it
+        return _global_clip_grad_norm(params, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
+        """Elementwise, so clipping each rank's shard is exact (accelerate refuses this for torch FSDP)."""
+        if self._flatshard_options is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+        """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded:
+        pass ``state_dict=accelerator.get_state_dict(model)`` to ``save_pretrained``."""
+        if isinstance(model, FullyShardedDataParallel):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """Full state dict (plain model's keys and shapes, on CPU) on the main process, ``{}`` elsewhere.
+
+        Collective: every rank must call it.
+        """
+        wrapped = self._find_wrapper(model)
+        if wrapped is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        from ..checkpoint import full_state_dict
+
+        state_dict = full_state_dict(wrapped, rank0_only=True, cpu_offload=True)
+        return state_dict if state_dict is not None else {}
+
+    def _find_wrapper(self, model: nn.Module) -> Optional[FullyShardedDataParallel]:
+        if isinstance(model, FullyShardedDataParallel):
+            return model
+        for m in self._models:
+            if isinstance(m, FullyShardedDataParallel) and m.module is model:
+                return m
+        return None
+
+    def _flatshard_model(self) -> FullyShardedDataParallel:
+        for m in self._models:
+            if isinstance(m, FullyShardedDataParallel):
+                return m
+        raise RuntimeError("no model was prepared with accel_flatshard")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Model and optimizer per ``fsdp_state_dict_type`` (FULL: rank 0 writes one file each; SHARDED: every
+        rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate."""
+        if self._flatshard_options is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        return checkpointing.save_state(self, output_dir, safe_serialization)
+
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Inverse of :meth:`save_state`; the layout (FULL or SHARDED) is detected from the directory."""
+        if self._flatshard_options is None:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        checkpointing.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, sub in model.named_modules():
+        where = f"submodule {name!r}" if name else "the model"
+        kind = None
+        if isinstance(sub, DistributedDataParallel):
+            kind = "torch DistributedDataParallel"
+        elif isinstance(sub, TorchFSDP):
+            kind = "torch FullyShardedDataParallel (FSDP1)"
+        elif type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard"):
+            kind = "torch fully_shard (FSDP2)"
+        elif isinstance(sub, FullyShardedDataParallel):
+            kind = "accel_flatshard (nested)"
+        if kind:
+            raise ValueError(
+                f"accelerator.prepare got a model whose {where} is already wrapped by {kind}; pass the plain "
+                "model: accel_flatshard shards it itself under the FSDP config"
+            )
+
+
+def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
+    """accelerate's prepare_model autocast wrapping (same attributes, so unwrap_model can undo it)."""
+    model._original_forward = model.forward
+    if not hasattr(model.forward, "__func__"):
+        model.forward = convert_outputs_to_fp32(autocast_context(model.forward))
+    else:
+        new_forward = autocast_context(model.forward.__func__)
+        model.forward = MethodType(new_forward, model)
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+
+
+def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
+    """Checkpoint every inner unit, as accelerate does for torch FSDP (non-reentrant wrapper).
+
+    The wrapper sits outside the unit's module, so the recomputation in backward goes through the unit's
+    hooks and finds its parameters gathered.
+    """
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    inner = {id(u.module) for u in wrapped.units if not u.is_root}
+    if not inner:
+        warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
+                      "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=3)
+        return
+    apply_activation_checkpointing(
+        wrapped.module,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in inner,
+    )
+
+
+def register() -> None:
+    """Make ``accelerate.Accelerator`` (and ``accelerate.accelerator.Accelerator``) this class.
+
+    Affects code that looks the name up afterwards (``from accelerate import Accelerator`` in a script
+    run later); modules that imported the name before keep accelerate's class.  Idempotent.
+    """
+    accelerate.Accelerator = Accelerator
+    accelerate.accelerator.Accelerator = Accelerator
