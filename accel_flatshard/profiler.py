@@ -27,7 +27,8 @@ Per step it records (milliseconds, summed over the step's micro-batches):
   was blocked on collectives (exposed communication); ``*issue`` the time spent starting them
   (allocation, dtype cast, enqueue);
 * ``forward compute``/``backward compute``: the phase wall time minus the above;
-* ``step``: time between consecutive step ends (everything: data, zero_grad, ...); ``peak RSS``/
+* ``step``: from the step's first forward (or first recorded event) to its end (the optimizer step or
+  :meth:`step`), so time spent between steps (data loading) is not included; ``peak RSS``/
   ``peak CUDA``: the process' peak resident set (Linux) / CUDA peak allocated memory during the step.
 
 CPU timestamps only: on CUDA the waits are stream waits (they return at once), so pass
@@ -77,7 +78,7 @@ _METRICS: Tuple[Tuple[str, str], ...] = (
     ("rs_wait", "  reduce-scatter wait"),
     ("bwd_compute", "  backward compute"),
     ("optimizer", "optimizer step"),
-    ("other", "other (data, zero_grad, ...)"),
+    ("other", "other (outside the phases)"),
     ("exposed_comm", "exposed comm (all waits)"),
 )
 _PHASES = ("forward", "backward", "optimizer")
@@ -319,7 +320,7 @@ class Profiler:
         now = time.perf_counter_ns()
         events, self._events = self._events, []
         start = self._step_t0 if self._step_t0 is not None else events[0][2]
-        self._step_t0 = now
+        self._step_t0 = None  # the next step starts with its first forward / recorded event
         record = self._aggregate(events, now - start)
         if self.track_memory:
             record.update(_read_and_reset_peak_memory())

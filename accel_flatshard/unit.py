@@ -72,6 +72,8 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.state = UnitState.IDLE
         self._grads_arrived = 0  # trainable flat params whose gradient arrived in this backward
+        self._views_installed = False
+        self._installed_by_recompute = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
@@ -107,10 +109,12 @@ class Unit:
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any):
         if self.is_root:
             args, kwargs = self.root.pre_root_forward(args, kwargs)
-        if self.root.in_backward:  # activation-checkpointing recomputation
+        if self.root.in_backward:  # activation-checkpointing recomputation through module __call__
             self.unshard()
             self.wait_unshard()
-            self._install_views()
+            if not self._views_installed:
+                self._install_views()
+                self._installed_by_recompute = True
             return args, kwargs
         self.state = UnitState.FORWARD
         self.unshard()
@@ -122,12 +126,21 @@ class Unit:
     def _install_views(self) -> None:
         for flat in self.flat_params:
             flat.install_views(flat.unsharded_views())
+        self._views_installed = True
+
+    def _uninstall_views(self) -> None:
+        if self._views_installed:
+            for flat in self.flat_params:
+                flat.uninstall_views()
+            self._views_installed = False
+            self._installed_by_recompute = False
 
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
-        for flat in self.flat_params:
-            flat.uninstall_views()
         if self.root.in_backward:
+            if self._installed_by_recompute:
+                self._uninstall_views()
             return output
+        self._uninstall_views()
         if torch.is_grad_enabled():
             self._hook_outputs_for_backward(output)
             self.state = UnitState.AWAIT_BACKWARD
@@ -154,6 +167,11 @@ class Unit:
         self.state = UnitState.BACKWARD
         self.unshard()
         self.wait_unshard()
+        # Checkpointed layers may recompute forward inside backward without running module hooks
+        # (transformers checkpoints `forward`, not `__call__`): the attributes must already resolve to
+        # autograd-tracked views, so build them with grad mode on (hooks run with it off).
+        with torch.enable_grad():
+            self._install_views()
         if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self.root.prefetch_before(self)
 
@@ -173,14 +191,14 @@ class Unit:
         self._grads_arrived += 1
         if self._grads_arrived == len(self.trainable_flats):
             # every gradient of this unit is complete: nothing in this backward reads its params again
+            self._uninstall_views()
             self.reshard()
             if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
                 self.root.prefetch_before(self)
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
-        for flat in self.flat_params:
-            flat.uninstall_views()
+        self._uninstall_views()
         self.reshard()
         self.state = UnitState.IDLE
         self._grads_arrived = 0

@@ -58,6 +58,51 @@ def ag_via_p2p(out, shard, rank, ws):
     return _Multi(works)
 
 
+def ag_via_p2p_direct(out, shard, rank, ws):
+    """Send the shard to every peer, receive every peer's shard straight into its slot (no waits between)."""
+    chunks = out.chunk(ws)
+    chunks[rank].copy_(shard)
+    ops = []
+    for peer in range(ws):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, shard, peer, tag=1))
+            ops.append(dist.P2POp(dist.irecv, chunks[peer], peer, tag=1))
+    return _Multi(dist.batch_isend_irecv(ops))
+
+
+def rs_via_p2p_direct(full, out, rank, ws):
+    """Send chunk j to rank j, receive every peer's copy of our chunk into a temporary, sum at wait()."""
+    chunks = full.chunk(ws)
+    tmp = torch.empty(ws - 1, out.numel(), dtype=full.dtype)
+    ops, i = [], 0
+    for peer in range(ws):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, chunks[peer], peer, tag=2))
+            ops.append(dist.P2POp(dist.irecv, tmp[i], peer, tag=2))
+            i += 1
+    works = dist.batch_isend_irecv(ops)
+
+    class _W:
+        def wait(self_):
+            for w in works:
+                w.wait()
+            torch.add(chunks[rank], tmp[0], out=out)
+            for j in range(1, ws - 1):
+                out.add_(tmp[j])
+    return _W()
+
+
+def rs_via_all_to_all(full, out, rank, ws):
+    tmp = torch.empty(ws, out.numel(), dtype=full.dtype)
+    work = dist.all_to_all_single(tmp, full, async_op=True)
+
+    class _W:
+        def wait(self_):
+            work.wait()
+            torch.sum(tmp, dim=0, out=out)
+    return _W()
+
+
 def rs_tensor(full, out, rank, ws):
     return dist.reduce_scatter_tensor(out, full, async_op=True)
 
@@ -76,8 +121,9 @@ class _Multi:
 
 
 AG = {"all_gather_into_tensor": ag_into_tensor, "all_gather(list)": ag_list, "all_reduce-based": ag_via_all_reduce,
-      "broadcast-based": ag_via_broadcast, "p2p ring": ag_via_p2p}
-RS = {"reduce_scatter_tensor": rs_tensor, "all_reduce (+slice)": rs_via_all_reduce}
+      "broadcast-based": ag_via_broadcast, "p2p ring": ag_via_p2p, "p2p direct": ag_via_p2p_direct}
+RS = {"reduce_scatter_tensor": rs_tensor, "all_reduce (+slice)": rs_via_all_reduce,
+      "p2p direct (+sum)": rs_via_p2p_direct, "all_to_all_single (+sum)": rs_via_all_to_all}
 
 
 def _compute(n_iter, a):
@@ -102,8 +148,14 @@ def worker(rank, ws, port, args):
     rows = []
     for kind, table in (("all-gather", AG), ("reduce-scatter", RS)):
         for name, fn in table.items():
-            alone, both = [], []
+            if args.only and name not in args.only.split(","):
+                continue
+            alone, both, comp_alone = [], [], []
             for it in range(args.iters + 1):
+                dist.barrier()
+                t = time.perf_counter()
+                _compute(n_iter, a)
+                comp_alone.append(time.perf_counter() - t)
                 dist.barrier()
                 t = time.perf_counter()
                 w = fn(out, shard, rank, ws) if kind == "all-gather" else fn(full, rs_out, rank, ws)
@@ -117,15 +169,17 @@ def worker(rank, ws, port, args):
                 dt2 = time.perf_counter() - t
                 if it:
                     alone.append(dt); both.append(dt2)
-            t_alone = torch.tensor([statistics.median(alone), statistics.median(both)])
+            exposed = [b - c for b, c in zip(both, comp_alone[1:])]
+            t_alone = torch.tensor([statistics.median(alone), statistics.median(both), statistics.median(exposed)])
             dist.all_reduce(t_alone, op=dist.ReduceOp.MAX)
-            rows.append((kind, name, t_alone[0].item(), t_alone[1].item()))
+            rows.append((kind, name, *t_alone.tolist()))
     if rank == 0:
-        print(f"W={ws}, {args.mib} MiB full tensor, torch threads={args.threads}, compute loop alone {comp*1e3:.0f} ms")
-        print("| collective | implementation | alone (ms) | with compute (ms) | exposed = with - compute (ms) |")
+        print(f"W={ws}, {args.mib} MiB full tensor, torch threads={args.threads}, compute loop alone ~{comp*1e3:.0f} ms "
+              f"(medians of {args.iters}; 'exposed' = paired (comm + compute) - compute alone)")
+        print("| collective | implementation | alone (ms) | with compute (ms) | exposed (ms) |")
         print("|---|---|---:|---:|---:|")
-        for kind, name, t1, t2 in rows:
-            print(f"| {kind} | {name} | {t1*1e3:.0f} | {t2*1e3:.0f} | {(t2-comp)*1e3:.0f} |")
+        for kind, name, t1, t2, t3 in rows:
+            print(f"| {kind} | {name} | {t1*1e3:.0f} | {t2*1e3:.0f} | {t3*1e3:.0f} |")
     dist.destroy_process_group()
 
 
@@ -136,6 +190,7 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--overlap-iters", type=int, default=100)
+    p.add_argument("--only", default=None, help="comma list of implementation names to run")
     args = p.parse_args()
     import socket
     with socket.socket() as s:

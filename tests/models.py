@@ -85,3 +85,25 @@ def global_mean(value: torch.Tensor, world_size: int) -> float:
 def full_params(wrapped) -> dict:
     with wrapped.summon_full_params():
         return {k: v.detach().clone() for k, v in wrapped.state_dict().items()}
+
+
+def first_grads(model: nn.Module, x: torch.Tensor, rank: int = 0, world_size: int = 1) -> dict:
+    """Full gradients (by parameter name) after one backward on this rank's slice of ``x``; grads are
+    then cleared.  For a wrapped model the sharded gradients are gathered over the shard group."""
+    local = x.chunk(world_size)[rank]
+    model(local, labels=local).loss.backward()
+    if not hasattr(model, "flat_params"):
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return grads
+    group = model.shard_group
+    grads = {}
+    for flat in model.flat_params:
+        if flat.sharded_grad is None:
+            continue
+        full = torch.empty(flat.layout.padded_numel, dtype=flat.sharded_grad.dtype)
+        dist.all_gather_into_tensor(full, flat.sharded_grad.contiguous(), group=group.shard_group)
+        for slot in flat.layout.slots:
+            grads[slot.fqn] = full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
+    model.zero_grad()
+    return grads

@@ -12,11 +12,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, transformer_auto_wrap_policy
 from dist_helpers import spawn
-from models import MODELS, batches, full_params, train
+from models import MODELS, batches, first_grads, full_params, train
 
 STEPS = 10
 LOSS_TOL = 1e-6
 PARAM_TOL = 1e-5
+GRAD_TOL = 1e-6  # relative to the largest gradient entry
 
 SCHEDULES = [
     dict(reshard_after_forward=r, forward_prefetch=f, backward_prefetch=b)
@@ -35,22 +36,33 @@ def _run_schedules(rank, world_size, model_name, schedules, group_size):
         model = MODELS[model_name]()
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),
                                            fsdp_group_size=group_size, **kwargs)
+        grads = first_grads(wrapped, data[0], rank, world_size)
         losses = train(wrapped, data, rank, world_size)
-        results.append((kwargs, losses, full_params(wrapped)))
+        results.append((kwargs, grads, losses, full_params(wrapped)))
     return ddp_losses, ddp_params, results
 
 
 def _reference(model_name, world_size):
     model = MODELS[model_name]()
-    losses = train(model, batches(STEPS, batch=world_size * 2))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(STEPS, batch=world_size * 2)
+    grads = first_grads(model, data[0])
+    losses = train(model, data)
+    return losses, grads
+
+
+def _grad_error(grads, ref_grads):
+    assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    return max((grads[k] - ref_grads[k]).abs().max().item() for k in grads) / scale
 
 
 def _check(model_name, world_size, schedules, group_size=None):
-    ref_losses, _ = _reference(model_name, world_size)
+    ref_losses, ref_grads = _reference(model_name, world_size)
     ddp_losses, ddp_params, results = spawn(world_size, _run_schedules, model_name, schedules, group_size)[0]
     assert max(abs(a - b) for a, b in zip(ddp_losses, ref_losses)) < LOSS_TOL  # the harness itself
-    for kwargs, losses, params in results:
+    for kwargs, grads, losses, params in results:
+        grad_err = _grad_error(grads, ref_grads)
+        assert grad_err < GRAD_TOL, f"{kwargs}: gradients differ from single-process run by {grad_err:.3g} (relative)"
         loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         assert loss_err < LOSS_TOL, f"{kwargs}: loss differs from single-process run by {loss_err:.3g}"
         assert params.keys() == ddp_params.keys()
@@ -103,7 +115,7 @@ def _sabotaged_run(rank, world_size, fault):
     try:
         model = MODELS["gpt2"]()
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
-        return train(wrapped, batches(4, batch=world_size * 2), rank, world_size)
+        return first_grads(wrapped, batches(1, batch=world_size * 2)[0], rank, world_size)
     finally:
         ShardGroup.reduce_scatter, ShardGroup.take_reduced_shard = original_reduce, original_take
 
@@ -111,6 +123,6 @@ def _sabotaged_run(rank, world_size, fault):
 @pytest.mark.parametrize("fault", ["not_reduced", "reduced_twice", "wrong_rank"])
 def test_parity_check_catches_a_broken_reduction(fault):
     """The tolerance above is tight enough to see each way a gradient can go wrong."""
-    ref_losses = train(MODELS["gpt2"](), batches(4, batch=4))
-    losses = spawn(2, _sabotaged_run, fault)[0]
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) > 100 * LOSS_TOL
+    ref_grads = first_grads(MODELS["gpt2"](), batches(1, batch=4)[0])
+    grads = spawn(2, _sabotaged_run, fault)[0]
+    assert _grad_error(grads, ref_grads) > 100 * GRAD_TOL

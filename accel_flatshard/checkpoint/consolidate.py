@@ -1,0 +1,169 @@
+"""Offline access to sharded checkpoints (no process group): inspect, read full tensors, consolidate.
+
+``consolidate`` turns a sharded *model* checkpoint into the Hugging Face layout: ``model.safetensors``,
+or ``model-00001-of-0000N.safetensors`` files plus ``model.safetensors.index.json`` when the tensors
+exceed ``max_shard_size``.  Tensors are read a file's worth at a time, so memory stays near one output
+file.  Tied parameters are written once, under their first name (as ``save_pretrained`` does), so
+``from_pretrained`` on a directory holding this and ``config.json`` works.
+
+Example::
+
+    consolidate("ckpt/model", "hf_out", max_shard_size="2GB")
+    info = read_checkpoint_info("ckpt/model"); info["world_size"], info["total_bytes"]
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ._dcp_io import load_entries, open_checkpoint
+from ._files import CheckpointError, read_meta, resolve_checkpoint_dir, str_to_dtype
+
+__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "parse_size"]
+
+SAFE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``123`` -> 123."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    unit = m.group(2).upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
+
+
+def read_checkpoint_info(directory: str) -> Dict[str, Any]:
+    """What a checkpoint holds, from its JSON metadata (no tensor data read).
+
+    Returns ``kind``, ``world_size``, ``shard_size``, ``model_class``, ``tensors`` (name -> shape,
+    dtype, kind), ``total_bytes`` (tensor bytes) and ``file_bytes`` (bytes on disk).
+    """
+    directory = resolve_checkpoint_dir(directory)
+    meta = read_meta(directory)
+    total = 0
+    for desc in meta["tensors"].values():
+        total += math.prod(desc["shape"]) * torch.empty((), dtype=str_to_dtype(desc["dtype"])).element_size()
+    file_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+                     if os.path.isfile(os.path.join(directory, f)))
+    return {
+        "directory": directory,
+        "kind": meta["kind"],
+        "world_size": meta["world_size"],
+        "shard_size": meta.get("shard_size"),
+        "model_class": meta.get("model_class"),
+        "optimizer_class": meta.get("optimizer_class"),
+        "saved_at": meta.get("saved_at"),
+        "torch_version": meta.get("torch_version"),
+        "tensors": meta["tensors"],
+        "param_groups": meta.get("param_groups"),
+        "total_bytes": total,
+        "file_bytes": file_bytes,
+    }
+
+
+def read_full_tensors(directory: str, names: Optional[Sequence[str]] = None, max_batch_bytes: int = 1 << 30,
+                      verify_checksums: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` from a sharded checkpoint, in checkpoint order, offline.
+
+    Tensors are read in batches of about ``max_batch_bytes``.  Example::
+
+        for name, t in read_full_tensors("ckpt/model"):
+            print(name, t.shape)
+    """
+    directory, meta, md = open_checkpoint(directory, meta_kind(directory))
+    wanted = list(meta["tensors"]) if names is None else list(names)
+    for batch in _batches(meta, wanted, max_batch_bytes):
+        yield from _read_batch(directory, meta, md, batch, verify_checksums).items()
+
+
+def meta_kind(directory: str) -> str:
+    return read_meta(resolve_checkpoint_dir(directory))["kind"]
+
+
+def _nbytes(desc: Dict[str, Any]) -> int:
+    return math.prod(desc["shape"]) * torch.empty((), dtype=str_to_dtype(desc["dtype"])).element_size()
+
+
+def _batches(meta: Dict[str, Any], names: Sequence[str], limit: int) -> List[List[str]]:
+    batches: List[List[str]] = []
+    current: List[str] = []
+    size = 0
+    for name in names:
+        if name not in meta["tensors"]:
+            raise CheckpointError(f"{name!r} is not in the checkpoint")
+        n = _nbytes(meta["tensors"][name])
+        if current and size + n > limit:
+            batches.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _read_batch(directory: str, meta: Dict[str, Any], md: Any, names: List[str], verify: bool) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name in names:
+        desc = meta["tensors"][name]
+        out[name] = torch.empty(desc["shape"], dtype=str_to_dtype(desc["dtype"]))
+    load_entries(None, directory, meta, md, {k: v for k, v in out.items() if v.numel()}, verify)
+    return out
+
+
+def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, str] = "5GB",
+                verify_checksums: bool = True) -> List[str]:
+    """Write a sharded model checkpoint as Hugging Face safetensors into ``out_dir``; returns the files.
+
+    Example::
+
+        consolidate("ckpt/model", "hf_out")
+        config.save_pretrained("hf_out")
+        model = AutoModelForCausalLM.from_pretrained("hf_out")
+    """
+    from safetensors.torch import save_file
+
+    limit = parse_size(max_shard_size)
+    directory, meta, md = open_checkpoint(checkpoint_dir, "model")
+    names = list(meta["tensors"])
+    batches = _batches(meta, names, limit)
+    os.makedirs(out_dir, exist_ok=True)
+    n = len(batches)
+    files = [SAFE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for fname, batch in zip(files, batches):
+        tensors = {k: v.contiguous() for k, v in _read_batch(directory, meta, md, batch, verify_checksums).items()}
+        tmp = os.path.join(out_dir, f".{fname}.tmp-{uuid.uuid4().hex[:8]}")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(out_dir, fname))
+        for k, v in tensors.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+        del tensors
+    stale = {SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))}
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tmp = os.path.join(out_dir, f".{INDEX_NAME}.tmp-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=2)
+        os.replace(tmp, os.path.join(out_dir, INDEX_NAME))
+        files = files + [INDEX_NAME]
+    for name in stale - set(files):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+    return [os.path.join(out_dir, f) for f in files]

@@ -1,0 +1,204 @@
+"""Full (unsharded) model state dicts: gathered to rank 0 one flat parameter at a time.
+
+``full_state_dict`` returns exactly what the plain model's ``state_dict()`` returns (same keys, order,
+shapes; tied parameters under every name, sharing one tensor; persistent buffers), so it loads with
+``plain_model.load_state_dict(sd, strict=True)`` and saves with ``save_pretrained(state_dict=sd)``.
+Peak memory on rank 0 is the result plus one gathered flat parameter; other ranks hold one gathered
+flat parameter at most (none with hybrid sharding outside rank 0's shard group).
+
+Example::
+
+    sd = full_state_dict(model)                 # rank 0: full dict on CPU; other ranks: {}
+    if rank == 0:
+        plain.load_state_dict(sd)
+        plain.save_pretrained("out", state_dict=sd)
+    load_full_state_dict(model, sd if rank == 0 else None)   # rank 0's dict is broadcast per tensor
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._files import CheckpointError
+from ._index import ModelIndex, agree_on_error, quiesce
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool = True) -> Dict[str, Any]:
+    """Gather the plain model's state dict from a sharded model (collective: call on every rank).
+
+    Args:
+        model: a ``FullyShardedDataParallel`` model (outside forward/backward).
+        rank0_only: only global rank 0 receives the dict; other ranks get ``{}``.
+        cpu_offload: return CPU tensors (copies); otherwise tensors stay on the model's device.
+
+    Example::
+
+        sd = full_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save(sd, "model.pt")
+    """
+    quiesce(model, "full_state_dict")
+    index = ModelIndex(model)
+    group = index.group
+    receives = not rank0_only or group.world_rank == 0
+    gathers = not rank0_only or index.replica_index == 0  # only rank 0's shard group must gather
+    full_of: Dict[int, torch.Tensor] = {}
+    if gathers:
+        for flat in model.flat_params:
+            buf = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+            group.all_gather(buf, flat.local_shard, async_op=False)
+            if receives:
+                for slot, p in zip(flat.layout.slots, flat.params):
+                    t = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    full_of[id(p)] = _detached_copy(t, cpu_offload)
+            del buf
+    if not receives:
+        return {}
+    out: Dict[str, Any] = {}
+    for key, value in model.module.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter) and id(value) in full_of:
+            out[key] = full_of[id(value)]
+        elif isinstance(value, torch.Tensor):
+            out[key] = _detached_copy(value, cpu_offload)
+        else:
+            out[key] = value
+    return out
+
+
+def _detached_copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if cpu_offload else t.clone()
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]], strict: bool = True) -> None:
+    """Load a full (plain-model) state dict into a sharded model; each rank keeps only its slices.
+
+    Every rank passes the dict, or only global rank 0 passes it and the others pass ``None`` (then
+    each tensor is broadcast from rank 0 in turn, so no rank holds more than one extra tensor).
+    Collective: call on every rank.
+
+    ``strict``: every key of the model must be present and no other key (like
+    ``nn.Module.load_state_dict``); with ``strict=False`` missing keys keep their current values and
+    unexpected keys are ignored, and a tied parameter is loaded from whichever of its names is present.
+    Shapes must always match; values are cast to the parameter's dtype.
+
+    Example::
+
+        sd = torch.load("model.pt", weights_only=True) if rank == 0 else None
+        load_full_state_dict(model, sd)
+    """
+    quiesce(model, "load_full_state_dict")
+    index = ModelIndex(model)
+    group = index.group
+    world = group.world_group
+    mode = _agree_on_mode(group, state_dict is not None)
+    if mode == "broadcast":
+        plan = None
+        if group.world_rank == 0:
+            try:
+                plan = _validate(index, state_dict, strict)
+            except Exception as e:  # noqa: BLE001 - sent to every rank below
+                plan = f"{type(e).__name__}: {e}"
+        box: List[Any] = [plan]
+        dist.broadcast_object_list(box, src=_global_rank0(world), group=world)
+        plan = box[0]
+        if isinstance(plan, str):
+            raise CheckpointError(plan)
+    else:
+        try:
+            plan = _validate(index, state_dict, strict)
+            error = plan if isinstance(plan, str) else None
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(e).__name__}: {e}"
+        agree_on_error(world if group.world_size > 1 else None, error)
+    sources: Dict[str, str] = plan  # canonical name or buffer name -> key in the dict to read
+    with torch.no_grad():
+        for name, info in index.params.items():
+            if name not in sources:
+                continue
+            piece = info.piece
+            local = info.local()
+            if mode == "broadcast":
+                buf = _broadcast_flat(state_dict[sources[name]] if group.world_rank == 0 else None,
+                                      info.numel, info.dtype, info.flat.device, world)
+            else:
+                buf = state_dict[sources[name]].detach().reshape(-1)
+            local.copy_(buf[piece.param_start : piece.param_start + piece.length])
+        for name, buf_tensor in index.buffers.items():
+            if name not in sources:
+                continue
+            if mode == "broadcast":
+                value = _broadcast_flat(state_dict[name] if group.world_rank == 0 else None,
+                                        buf_tensor.numel(), buf_tensor.dtype, buf_tensor.device, world)
+            else:
+                value = state_dict[name].detach().reshape(-1)
+            buf_tensor.copy_(value.view(buf_tensor.shape))
+
+
+def _global_rank0(world) -> int:
+    return dist.get_global_rank(world, 0) if world is not dist.group.WORLD else 0
+
+
+def _agree_on_mode(group, has_dict: bool) -> str:
+    if group.world_size == 1:
+        if not has_dict:
+            raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
+        return "local"
+    flags: List[Any] = [None] * group.world_size
+    dist.all_gather_object(flags, has_dict, group=group.world_group)
+    if all(flags):
+        return "local"
+    if flags[0] and not any(flags[1:]):
+        return "broadcast"
+    raise CheckpointError(
+        "load_full_state_dict: pass the state dict on every rank, or on rank 0 only (None elsewhere); "
+        f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
+
+
+def _broadcast_flat(t: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device, world) -> torch.Tensor:
+    if t is not None:
+        buf = t.detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
+    else:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+    dist.broadcast(buf, src=_global_rank0(world), group=world)
+    return buf
+
+
+def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Any:
+    """Which dict key feeds each parameter/buffer, or an error message naming every problem."""
+    if not isinstance(sd, dict):
+        return f"load_full_state_dict: expected a dict, got {type(sd).__name__}"
+    problems: List[str] = []
+    missing = [k for k in index.keys if k not in sd and k not in index.extra]
+    unexpected = [k for k in sd if k not in index.param_of_key and k not in index.buffers and k not in index.extra]
+    sources: Dict[str, str] = {}
+    for name, info in index.params.items():
+        present = [k for k in info.aliases if k in sd]
+        if present:
+            sources[name] = present[0]
+        for k in present:
+            problems += _check_tensor(k, sd[k], info.shape)
+    for name, buf in index.buffers.items():
+        if name in sd:
+            sources[name] = name
+            problems += _check_tensor(name, sd[name], tuple(buf.shape))
+    if strict and missing:
+        problems.insert(0, f"missing keys: {missing}")
+    if strict and unexpected:
+        problems.insert(0, f"unexpected keys: {unexpected}")
+    if problems:
+        return "error(s) loading a full state dict into " + type(index.module).__name__ + ":\n  " + "\n  ".join(problems)
+    return sources
+
+
+def _check_tensor(key: str, value: Any, shape) -> List[str]:
+    if not isinstance(value, torch.Tensor):
+        return [f"{key}: expected a tensor, got {type(value).__name__}"]
+    if tuple(value.shape) != tuple(shape):
+        return [f"size mismatch for {key}: checkpoint has shape {tuple(value.shape)}, the model expects {tuple(shape)}"]
+    return []

@@ -1,0 +1,392 @@
+"""Side-by-side training-step benchmark: accel_flatshard vs torch FSDP1 / FSDP2 / DDP / no communication.
+
+    .venv/bin/python benchmarks/bench.py                       # llama-40M + gpt2-5M, W=2, CPU (gloo), ~2-3 min
+    .venv/bin/python benchmarks/bench.py --rows llama-5M,gpt2-40M,llama-150M --steps 6
+    .venv/bin/python benchmarks/bench.py --world-size 4        # oversubscribes a 2-core host
+    .venv/bin/python benchmarks/bench.py --ours ours,ours+noreshard,ours+bpre --profile
+    .venv/bin/python benchmarks/bench.py --device cuda --world-size 1           # one GPU, NCCL
+    .venv/bin/python benchmarks/bench.py --device cuda --fake-pg --world-size 8 # emulated W (no real comm)
+
+Every rank builds the same model once per engine (same initial weights), then runs the engines'
+steps INTERLEAVED (step s of every engine, in an order rotated every step, a barrier before each), so
+all ratios come from one run under the same machine load.  A step is forward + backward + AdamW step +
+zero_grad on this rank's part of the global batch; its time is the slowest rank's.  Reported per row:
+
+* median step time, global tokens/s;
+* ratios vs DDP, vs FSDP2 and vs the no-communication bound (same model, no collectives): the median
+  over steps of the paired per-step ratios;
+* params + grads + optimizer state bytes this rank holds (unique storages; DDP's buckets not counted)
+  and the step's peak RSS increase over the RSS before it (CPU; after malloc_trim) or peak
+  ``max_memory_allocated`` (CUDA);
+* the largest |loss - DDP loss| over the steps (losses averaged over ranks; no-comm trains on local
+  data, so it has none).
+
+Variants of our engine: ``ours+opt+opt...`` with the options in ``patches.OPTIONS`` (constructor
+arguments such as ``noreshard``/``fpre``/``bpre`` and monkeypatches of proposed engine changes).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import patches  # noqa: E402  (benchmarks/patches.py)
+
+SIZES = {  # name -> (family, config kwargs); parameter counts printed in the table
+    "gpt2-5M": ("gpt2", dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192)),
+    "gpt2-40M": ("gpt2", dict(n_layer=10, n_embd=512, n_head=8, vocab_size=16384)),
+    "gpt2-150M": ("gpt2", dict(n_layer=16, n_embd=768, n_head=12, vocab_size=50257)),
+    "llama-5M": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4, vocab_size=4096)),
+    "llama-40M": ("llama", dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, vocab_size=16384)),
+    "llama-150M": ("llama", dict(num_hidden_layers=14, hidden_size=768, intermediate_size=2048, num_attention_heads=12, vocab_size=32000)),
+}
+BASE_ENGINES = ["ddp", "fsdp1", "fsdp2", "nocomm"]
+
+
+def build_model(row: str, seq: int) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    family, kw = SIZES[row]
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(max_position_embeddings=seq, num_key_value_heads=kw["num_attention_heads"], **kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    return model
+
+
+def block_classes(model: torch.nn.Module):
+    from accel_flatshard.wrap import block_classes_of
+
+    return block_classes_of(model)
+
+
+# ---------------------------------------------------------------------- engines
+class Runner:
+    """One engine's model + optimizer on this rank."""
+
+    def __init__(self, name: str, model: torch.nn.Module, profiler=None) -> None:
+        self.name, self.model, self.profiler = name, model, profiler
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        if profiler is not None:
+            profiler.attach(model, self.opt)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(input_ids=x, labels=x).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def state_bytes(self) -> int:
+        """Unique storages of params, grads and optimizer state held by this rank."""
+        seen: Dict[int, int] = {}
+
+        def add(t):
+            if not isinstance(t, torch.Tensor):
+                return
+            t = getattr(t, "_local_tensor", t)  # DTensor (FSDP2)
+            s = t.untyped_storage()
+            if s.nbytes():
+                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+
+        for p in self.model.parameters():
+            add(p)
+            add(p.grad)
+        for st in self.opt.state.values():
+            for v in st.values():
+                add(v)
+        return sum(seen.values())
+
+
+def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, world: int) -> Runner:
+    model = copy.deepcopy(base).to(device)
+    blocks = tuple(block_classes(model))
+    if engine == "nocomm":
+        return Runner(engine, model)
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return Runner(engine, DDP(model, device_ids=[device.index] if device.type == "cuda" else None))
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
+
+        policy = functools.partial(torch_policy, transformer_layer_cls=set(blocks))
+        return Runner(engine, FSDP1(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True))
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for m in model.modules():
+            if isinstance(m, blocks):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return Runner(engine, model)
+    if engine.startswith("ours"):
+        from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+        from accel_flatshard.profiler import Profiler
+
+        kwargs, post = patches.parse_variant(engine)
+        prof = Profiler(warmup=args.warmup) if args.profile else None
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), profiler=prof, **kwargs)
+        for fn in post:
+            fn(wrapped)
+        return Runner(engine, wrapped, prof)
+    raise ValueError(f"unknown engine {engine!r}; choose from ours[+opts], {', '.join(BASE_ENGINES)}")
+
+
+# ---------------------------------------------------------------------- measurement
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> int:
+    """Peak memory increase during one step: CUDA max_memory_allocated, or CPU VmHWM over VmRSS."""
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.step(x)
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    _malloc_trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return -1
+    before = _rss_kib("VmRSS")
+    runner.step(x)
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: bool) -> Optional[dict]:
+    base = build_model(row, args.seq)
+    n_params = sum(p.numel() for p in base.parameters())
+    engines = args.engines + args.ours
+    runners: List[Runner] = []
+    for e in engines:
+        runners.append(make_runner(e, base, device, args, world))
+        gc.collect()
+    del base
+    vocab = SIZES[row][1]["vocab_size"]
+    g = torch.Generator().manual_seed(1234)
+    total = args.warmup + args.steps
+    data = [torch.randint(0, vocab, (args.batch * world, args.seq), generator=g) for _ in range(total)]
+    times = {e: [] for e in engines}
+    losses = {e: [] for e in engines}
+    last: Dict[str, float] = {}
+    for s in range(total):
+        x = data[s][rank * args.batch : (rank + 1) * args.batch].to(device)
+        k = s % len(runners)
+        for r in runners[k:] + runners[:k]:  # rotate the order: no engine always runs first
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = r.step(x)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            last[r.name] = dt
+            if s >= args.warmup:
+                times[r.name].append(dt)
+                losses[r.name].append(loss.float().item())
+        if rank == 0 and args.verbose:
+            print(f"  [{row}] step {s}{' (warmup)' if s < args.warmup else ''}: "
+                  + ", ".join(f"{e}={last[e]*1e3:.0f}ms" for e in engines), flush=True)
+    # slowest rank per step, mean loss over ranks
+    t = torch.tensor([times[e] for e in engines], dtype=torch.float64)
+    lo = torch.tensor([losses[e] for e in engines], dtype=torch.float64)
+    mem = torch.tensor([[r.state_bytes(), step_peak_bytes(r, data[0][rank * args.batch : (rank + 1) * args.batch].to(device), device)]
+                        for r in runners], dtype=torch.float64)
+    if not fake:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo)
+        lo /= world
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    profiles = {r.name: r.profiler.summary() for r in runners if r.profiler is not None}
+    if args.trace_dir:
+        for r in runners:
+            if r.profiler is not None:
+                r.profiler.export_chrome_trace(os.path.join(args.trace_dir, f"{row}_{r.name}_rank{{rank}}.json"))
+    del runners
+    gc.collect()
+    if rank != 0:
+        return None
+    return {"row": row, "params": n_params, "engines": engines, "times": t.tolist(), "losses": lo.tolist(),
+            "mem": mem.tolist(), "profiles": profiles}
+
+
+def format_table(results: List[dict], args, world: int, device: torch.device, fake: bool) -> str:
+    lines = [
+        "| model | params | engine | step ms (median) | tokens/s | vs DDP | vs FSDP2 | vs no-comm "
+        "| params+grads+optim MiB/rank | step peak Δ MiB/rank | max abs Δloss vs DDP |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    tokens = args.batch * args.seq * world
+    for res in results:
+        engines, t = res["engines"], res["times"]
+        idx = {e: i for i, e in enumerate(engines)}
+
+        def ratio(i: int, ref: str) -> str:
+            if ref not in idx:
+                return "-"
+            return f"{statistics.median(a / b for a, b in zip(t[i], t[idx[ref]])):.2f}x"
+
+        for i, e in enumerate(engines):
+            med = statistics.median(t[i])
+            if e in ("ddp", "nocomm") or fake or "ddp" not in idx:
+                dloss = "-" if e != "ddp" else "0 (ref)"
+            else:
+                dloss = f"{max(abs(a - b) for a, b in zip(res['losses'][i], res['losses'][idx['ddp']])):.1e}"
+            st, peak = res["mem"][i]
+            lines.append(
+                f"| {res['row']} | {res['params']/1e6:.1f}M | {e} | {med*1e3:.0f} | {tokens/med:,.0f} | {ratio(i, 'ddp')} "
+                f"| {ratio(i, 'fsdp2')} | {ratio(i, 'nocomm')} | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
+            )
+    head = (
+        f"W={world}{' (fake pg: no real communication)' if fake else ''}, device={device.type}, "
+        f"backend={'fake' if fake else ('nccl' if device.type == 'cuda' else 'gloo')}, torch threads/rank={args.threads}, "
+        f"per-rank batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warmup, "
+        f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus"
+    )
+    return head + "\n\n" + "\n".join(lines)
+
+
+def worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if args.fake_pg:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if cuda else None)
+    results = []
+    try:
+        for row in args.rows:
+            if rank == 0:
+                print(f"[bench] {row}: {', '.join(args.engines + args.ours)} ...", flush=True)
+            res = run_row(row, rank, world, device, args, args.fake_pg)
+            if res is not None:
+                results.append(res)
+        if rank == 0:
+            table = format_table(results, args, world, device, args.fake_pg)
+            print("\n" + table + "\n", flush=True)
+            for res in results:
+                for name, text in res["profiles"].items():
+                    print(f"[{res['row']} / {name}]\n{text}\n")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"argv": sys.argv, "results": results, "table": table}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="llama-40M,gpt2-5M", help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
+    p.add_argument("--ours", default="ours", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+                   f"(options: {', '.join(patches.OPTIONS)})")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cpus // W, >= 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--fake-pg", action="store_true", help="one process, fake process group of --world-size ranks")
+    p.add_argument("--profile", action="store_true", help="attach accel_flatshard.Profiler to our engine and print it")
+    p.add_argument("--trace-dir", default=None, help="with --profile: write Chrome traces here")
+    p.add_argument("--json", default=None, help="also write raw results here")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("-v", "--verbose", action="store_true", help="print every step's times")
+    args = p.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.ours = [e for e in args.ours.split(",") if e]
+    for r in args.rows:
+        if r not in SIZES:
+            p.error(f"unknown row {r!r}; choose from {', '.join(SIZES)}")
+    for e in args.engines:
+        if e not in BASE_ENGINES:
+            p.error(f"unknown engine {e!r}; choose from {', '.join(BASE_ENGINES)}")
+    for v in args.ours:
+        patches.parse_variant(v)  # validates
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    if args.world_size is None:
+        args.world_size = 1 if args.device == "cuda" else 2
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // (1 if args.fake_pg else args.world_size))
+    if args.trace_dir:
+        args.profile = True
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print("[bench] " + " ".join([os.path.basename(sys.executable)] + sys.argv), flush=True)
+    if args.device == "cuda" and not args.fake_pg and args.world_size > torch.cuda.device_count():
+        raise SystemExit(f"--world-size {args.world_size} needs that many GPUs (have {torch.cuda.device_count()}); "
+                         "use --fake-pg to emulate")
+    if args.fake_pg:
+        worker(0, args.world_size, 0, args)
+        return 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

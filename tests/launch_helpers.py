@@ -1,0 +1,87 @@
+"""Run real ``accelerate launch`` subprocesses (2 CPU processes) for the Accelerate-backend tests."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "scripts"
+PLAIN_SCRIPT = SCRIPTS / "plain_accelerate_train.py"
+CPU_FSDP_YAML = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+
+# accelerate's own DDP on CPU: needs use_cpu in the yaml *and* ACCELERATE_USE_CPU in the environment
+DDP_CONFIG: Dict[str, Any] = {
+    "compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+    "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": True,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp_config(tmp: Path, name: str = "fsdp.yaml", mixed_precision: Optional[str] = None, **fsdp_overrides: Any) -> Path:
+    """accelerate_configs/cpu_2proc.yaml with ``fsdp_config`` keys overridden, written to ``tmp/name``."""
+    config = yaml.safe_load(CPU_FSDP_YAML.read_text())
+    config["fsdp_config"].update(fsdp_overrides)
+    if mixed_precision is not None:
+        config["mixed_precision"] = mixed_precision
+    path = tmp / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def ddp_config(tmp: Path) -> Path:
+    path = tmp / "ddp.yaml"
+    path.write_text(yaml.safe_dump(DDP_CONFIG))
+    return path
+
+
+def launch(
+    config: Path,
+    script: Path,
+    args: Sequence[str] = (),
+    *,
+    via_run: bool = False,
+    env: Optional[Dict[str, str]] = None,
+    ddp: bool = False,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file config [-m accel_flatshard.run] script args``; raises with the
+    output when it fails (unless ``check=False``)."""
+    cmd: List[str] = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(_free_port())]
+    if via_run:
+        cmd += ["-m", "accel_flatshard.run"]
+    cmd += [str(script), *args]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FLATSHARD_", "ACCELERATE_", "FSDP_"))}
+    full_env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                    TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    if ddp:
+        full_env["ACCELERATE_USE_CPU"] = "true"
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b))
