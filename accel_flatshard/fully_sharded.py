@@ -19,6 +19,7 @@ from .comm import ShardGroup
 from .engine import Engine
 from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
+from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
 from .profiler import NULL_PROFILER
 from .unit import BackwardPrefetch, Unit, UnitState
@@ -139,7 +140,10 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: gather the next unit while the current one runs forward.
         fsdp_group_size: shard inside groups of this many ranks and all-reduce across groups (hybrid).
         mixed_precision: a :class:`MixedPrecision` policy.
-        sync_module_states: broadcast rank 0's parameters and buffers to every rank at wrap time.
+        sync_module_states: broadcast rank 0's parameters and buffers to every rank at wrap time
+            (unit by unit; other ranks may hold a meta-device model).
+        param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors; called unit by
+            unit so that only one unit is ever held in full (default: ``to_empty`` + ``reset_parameters``).
         limit_all_gathers: at most this many all-gathers in flight.
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
@@ -165,6 +169,7 @@ class FullyShardedDataParallel(nn.Module):
         fsdp_group_size: Optional[int] = None,
         mixed_precision: Optional[MixedPrecision] = None,
         sync_module_states: bool = True,
+        param_init_fn: Optional[ParamInitFn] = None,
         limit_all_gathers: int = 2,
         profiler=None,
     ) -> None:
@@ -177,6 +182,8 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _module_device(module)
+        if device.type == "meta":
+            device = materialization_device(self.shard_group.backend)
         _check_device(device, self.shard_group.backend, module)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
@@ -185,9 +192,15 @@ class FullyShardedDataParallel(nn.Module):
 
         unit_modules = select_units(module, auto_wrap_policy)
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-        owned = _assign_owners(module, unit_modules)
+        owned, innermost = _assign_owners(module, unit_modules)
         param_dtype = mixed_precision.param_dtype if mixed_precision else None
         for unit_module in unit_modules:
+            # materialise (if on meta), flatten and shard one unit at a time: low peak memory
+            unit_users = {id(m): m for groups in owned[id(unit_module)] for users in groups[2] for m, _ in users}
+            unit_users.update({id(m): m for m in module.modules() if innermost[id(m)] is unit_module})
+            materialize(unit_users.values(), device, param_init_fn)
+            for params, _, users in owned[id(unit_module)]:
+                _refresh_params(params, users)
             flats = [
                 self._build_flat(params, fqns, users, param_dtype, sync_module_states)
                 for params, fqns, users in owned[id(unit_module)]
@@ -380,12 +393,23 @@ def _assign_owners(
         bucket[0].append(p)
         bucket[1].append(first_name[id(p)])
         bucket[2].append(users[id(p)])
-    return {uid: list(g.values()) for uid, g in groups.items()}
+    return {uid: list(g.values()) for uid, g in groups.items()}, innermost
+
+
+def _refresh_params(params: List[nn.Parameter], users: List[List[Tuple[nn.Module, str]]]) -> None:
+    """After materialisation a module may hold a new Parameter object: re-read it, and re-tie parameters
+    shared by several modules (each module's ``to_empty`` made its own copy)."""
+    for i, slot_users in enumerate(users):
+        module, attr = slot_users[0]
+        p = module._parameters[attr]
+        for other, other_attr in slot_users[1:]:
+            other._parameters[other_attr] = p
+        params[i] = p
 
 
 def _module_device(module: nn.Module) -> torch.device:
     devices = {}
-    for name, p in module.named_parameters():
+    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
         devices.setdefault(p.device, name)
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
@@ -396,8 +420,6 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def _check_device(device: torch.device, backend: str, module: nn.Module) -> None:
-    if device.type == "meta":
-        raise ValueError(f"{type(module).__name__} has parameters on the meta device; materialise them first")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call model.to('cuda') first or use gloo")
     if backend == "gloo" and device.type == "cuda":

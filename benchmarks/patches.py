@@ -32,50 +32,83 @@ def _bpost():
 
 
 # ---------------------------------------------------------------------- monkeypatches
+def _peers(group):
+    """(shard-group rank, global rank) of every other member of the shard group."""
+    pg = group.shard_group
+    glob = (lambda r: r) if pg is dist.group.WORLD else (lambda r: dist.get_global_rank(pg, r))
+    return [(r, glob(r)) for r in range(group.shard_size) if r != group.shard_rank]
+
+
 def patch_ag_p2p(wrapped) -> None:
-    """comm.ShardGroup.all_gather on gloo: ring of isend/irecv straight into the output's slots
-    (gloo's all_gather_into_tensor gathers into a temporary and copies; its ring is slower)."""
+    """comm.ShardGroup.all_gather on gloo: send our shard to every peer and receive every peer's shard
+    straight into its slot of the output (isend/irecv, no staging buffer, no waits in between).
+    gloo's all_gather_single gathers into a temporary, copies out and runs a slower algorithm."""
     group = wrapped.shard_group
     if group.backend != "gloo" or group.shard_size == 1:
         return
-    original = group.all_gather
 
     def all_gather(self, output, shard, async_op=True):
         self.bytes_gathered += shard.numel() * shard.element_size()
-        return p2p_all_gather(output, shard, self.shard_group, self.shard_rank, self.shard_size, async_op)
+        chunks = output.chunk(self.shard_size)
+        chunks[self.shard_rank].copy_(shard)
+        ops = []
+        for r, g in _peers(self):
+            ops.append(dist.P2POp(dist.isend, shard, g, group=self.shard_group, tag=1))
+            ops.append(dist.P2POp(dist.irecv, chunks[r], g, group=self.shard_group, tag=1))
+        work = _Works(dist.batch_isend_irecv(ops))
+        if not async_op:
+            work.wait()
+        return work
 
     group.all_gather = types.MethodType(all_gather, group)
-    group._original_all_gather = original
 
 
-def p2p_all_gather(output, shard, pg, rank, world, async_op=True):
-    chunks = output.chunk(world)
-    chunks[rank].copy_(shard)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    to_global = (lambda r: dist.get_global_rank(pg, r)) if pg is not dist.group.WORLD else (lambda r: r)
-    pending = []
-    for s in range(world - 1):
-        send_idx, recv_idx = (rank - s) % world, (rank - s - 1) % world
-        reqs = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, chunks[send_idx], to_global(nxt), group=pg),
-            dist.P2POp(dist.irecv, chunks[recv_idx], to_global(prv), group=pg),
-        ])
-        if s < world - 2 or not async_op:
-            for r in reqs:
-                r.wait()
-        else:
-            pending = reqs
-    return _Works(pending)
+def patch_rs_p2p(wrapped) -> None:
+    """comm.ShardGroup.reduce_scatter on gloo: send chunk j of the full gradient to rank j, receive every
+    peer's copy of our chunk into a temporary; wait() sums them into the output.  Moves (W-1)/W of the
+    gradient per rank instead of all-reduce's 2(W-1)/W; take_reduced_shard becomes a no-op."""
+    group = wrapped.shard_group
+    if group.backend != "gloo" or group.shard_size == 1:
+        return
+    group.reduce_scatter_via_all_reduce = False
+
+    def reduce_scatter(self, output, full, async_op=True):
+        self.bytes_reduced += full.numel() * full.element_size()
+        chunks = full.chunk(self.shard_size)
+        peers = _peers(self)
+        tmp = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
+        ops = []
+        for i, (r, g) in enumerate(peers):
+            ops.append(dist.P2POp(dist.isend, chunks[r], g, group=self.shard_group, tag=2))
+            ops.append(dist.P2POp(dist.irecv, tmp[i], g, group=self.shard_group, tag=2))
+        own = chunks[self.shard_rank]
+
+        def finish():
+            torch.add(own, tmp[0], out=output)
+            for i in range(1, len(peers)):
+                output.add_(tmp[i])
+
+        work = _Works(dist.batch_isend_irecv(ops), finish)
+        if not async_op:
+            work.wait()
+        return work
+
+    group.reduce_scatter = types.MethodType(reduce_scatter, group)
 
 
 class _Works:
-    def __init__(self, works) -> None:
-        self.works = works
+    """Several work handles (and an optional completion step) as one handle."""
+
+    def __init__(self, works, then=None) -> None:
+        self.works, self.then = works, then
 
     def wait(self) -> bool:
         for w in self.works:
             w.wait()
         self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
 
 
@@ -87,6 +120,7 @@ OPTIONS: Dict[str, Callable] = {
     "limit1": lambda: {"limit_all_gathers": 1},
     "limit4": lambda: {"limit_all_gathers": 4},
     "agp2p": patch_ag_p2p,
+    "rsp2p": patch_rs_p2p,
 }
 _KWARG_OPTIONS = {"noreshard", "fpre", "bpre", "bpost", "limit1", "limit4"}
 

@@ -222,7 +222,8 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
     """Convert a name-keyed full dict into ``optimizer.state_dict()`` format for a plain optimizer.
 
     ``model`` is the plain model and ``optimizer`` a torch optimizer built on its parameters with the
-    same groups.  Example::
+    same groups.  Tensors are copied (``Optimizer.load_state_dict`` would otherwise adopt them and
+    update ``optim_state_dict`` in place while training).  Example::
 
         plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
     """
@@ -235,7 +236,8 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
             raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter that is not in the model") from None
     check_groups(optim_state_dict["param_groups"], names)
     hyper = [group_hyperparams(g) for g in optim_state_dict["param_groups"]]
-    state = {fqn: dict(entry) for fqn, entry in optim_state_dict["state"].items()}
+    state = {fqn: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+             for fqn, entry in optim_state_dict["state"].items()}
     return torch_state_dict(optimizer, names, state, hyper)
 
 

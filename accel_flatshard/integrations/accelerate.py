@@ -233,7 +233,11 @@ class Accelerator(_BaseAccelerator):
         if self._flatshard_options is None:
             return super().clip_grad_value_(parameters, clip_value)
         self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+        if grads:  # a rank may hold no gradient elements at all; torch's version raises on an empty list
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
         """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded:

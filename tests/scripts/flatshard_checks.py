@@ -105,7 +105,12 @@ def main():
 
     # 7. unwrap_model gives the user's class; clip_grad_value_ works on shards
     results["unwrapped_class"] = type(accelerator.unwrap_model(model)).__name__
-    accelerator.clip_grad_value_(model.parameters(), 0.1)
+    x = batches[0].chunk(accelerator.num_processes)[rank]
+    accelerator.backward(model(input_ids=x, labels=x).loss)
+    accelerator.clip_grad_value_(model.parameters(), 1e-4)
+    accelerator.unscale_gradients  # (already unscaled by clip_grad_value_)
+    results[f"max_grad_after_clip_value_rank{rank}"] = max(
+        float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None and p.grad.numel())
 
     if accelerator.is_main_process:
         with open(args.output_json, "w") as f:
