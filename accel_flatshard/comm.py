@@ -48,6 +48,7 @@ class ShardGroup:
         process_group: Optional[dist.ProcessGroup] = None,
         shard_size: Optional[int] = None,
         reduce_scatter_via_all_reduce: Optional[bool] = None,
+        timeout: Optional[datetime.timedelta] = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -73,10 +74,12 @@ class ShardGroup:
             self.shard_group = _subgroup_containing(
                 self.world_rank,
                 [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)],
+                timeout,
             )
             self.replica_group = _subgroup_containing(
                 self.world_rank,
                 [list(range(i, self.world_size, shard_size)) for i in range(shard_size)],
+                timeout,
             )
         self.shard_rank = dist.get_rank(self.shard_group)
         if reduce_scatter_via_all_reduce is None:
@@ -148,7 +151,14 @@ class ShardGroup:
         return tensor
 
 
-def _subgroup_containing(rank: int, rank_lists: List[List[int]]) -> dist.ProcessGroup:
-    """Create one group per rank list (collectively, on every rank) and return the one holding ``rank``."""
-    mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
+def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout=None) -> dist.ProcessGroup:
+    """Create one group per rank list (collectively, on every rank) and return the one holding ``rank``.
+
+    Every group gets a timeout (default: ``FLATSHARD_TIMEOUT_S`` seconds, else 30 minutes) so that a dead
+    peer makes the others raise instead of hanging forever.
+    """
+    if timeout is None:
+        env = os.environ.get("FLATSHARD_TIMEOUT_S")
+        timeout = datetime.timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
+    mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
     return mine

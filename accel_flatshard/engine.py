@@ -46,6 +46,7 @@ class _PendingReduce:
     handle: object
     full_grad: torch.Tensor  # kept alive until the collective finished
     shard_out: torch.Tensor
+    label: str
 
 
 class Engine:
@@ -96,17 +97,18 @@ class Engine:
                 shard = flat.local_shard.to(flat.compute_dtype)
                 handle = self.group.all_gather(out, shard, async_op=True)
                 handle = _KeepAlive(handle, shard)
-        self._gathers[flat] = handle
+        self._gathers[flat] = (handle, label)
         self._gather_order.append(flat)
 
     def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
         """Block (CPU) or make the compute stream wait (CUDA) until ``flat`` is gathered."""
-        handle = self._gathers.pop(flat, None)
-        if handle is None:
+        entry = self._gathers.pop(flat, None)
+        if entry is None:
             return
+        handle, issued_label = entry
         self._gather_order.remove(flat)
-        with self.profiler.span("all_gather_wait", label):
-            handle.wait()
+        with self.profiler.span("all_gather_wait", issued_label):
+            _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
 
     def unshard_now(self, flat: FlatParameter, label: str = "") -> None:
         self.unshard(flat, label)
@@ -142,7 +144,7 @@ class Engine:
                 full = full_grad.to(dtype)
                 shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
                 handle = self.group.reduce_scatter(shard_out, full, async_op=True)
-        self._reduces.append(_PendingReduce(flat, handle, full, shard_out))
+        self._reduces.append(_PendingReduce(flat, handle, full, shard_out, label or "?"))
 
     def finish_reduces(self) -> None:
         """Wait for every pending reduction and add the results to the sharded gradients."""
@@ -152,16 +154,16 @@ class Engine:
         with self.profiler.span("reduce_scatter_wait"):
             if self.use_streams:
                 for r in pending:
-                    r.handle.wait()
+                    _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
                     r.shard_out.record_stream(torch.cuda.current_stream())
             else:
                 replica_works = []
                 for r in pending:
-                    r.handle.wait()
+                    _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
                     self.group.take_reduced_shard(r.shard_out, r.full_grad)
-                    replica_works.append(self.group.all_reduce_replicas(r.shard_out, async_op=True))
-                for work in replica_works:
-                    work.wait()
+                    replica_works.append((r.label, self.group.all_reduce_replicas(r.shard_out, async_op=True)))
+                for label, work in replica_works:
+                    _wait(work, f"replica all-reduce of unit {label}", self.group)
         scale = 1.0 / self.group.world_size
         for r in pending:
             r.shard_out.mul_(scale)
@@ -175,6 +177,18 @@ class Engine:
         for flat in list(self._gathers):
             self.wait_unshard(flat)
         self.finish_reduces()
+
+
+def _wait(handle, what: str, group: ShardGroup) -> None:
+    """Wait for a collective; if it fails (a peer died, the timeout expired) say which one it was."""
+    try:
+        handle.wait()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise RuntimeError(
+            f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} "
+            f"(shard group size {group.shard_size}). A peer rank probably died or stopped participating, "
+            f"or the process-group timeout expired. Original error: {exc}"
+        ) from exc
 
 
 class _KeepAlive:

@@ -238,6 +238,19 @@ class FlatParameter:
         """Original parameters become 1-D views of their slices of ``local_shard``."""
         for piece, p in zip(self.pieces, self.params):
             p.data = self.local_shard.narrow(0, piece.shard_start, piece.length)
+        self._shard_ptrs = [p.data_ptr() for p in self.params]
+
+    def check_params_are_shard_views(self) -> None:
+        """Raise if a parameter no longer views its slice of the shard (``p.data = ...``, ``model.to``,
+        ``resize_``): the engine would silently gather stale values."""
+        for piece, p, ptr in zip(self.pieces, self.params, self._shard_ptrs):
+            if p.data_ptr() != ptr or p.shape != (piece.length,) or p.dtype != self.dtype:
+                fqn = self.layout.slots[piece.slot_index].fqn
+                raise RuntimeError(
+                    f"parameter {fqn!r} was replaced or changed behind accel_flatshard's back (now "
+                    f"{tuple(p.shape)} {p.dtype}, expected a 1-D view of {piece.length} {self.dtype} elements of "
+                    "its shard). Change dtype/device/values before wrapping, or inside summon_full_params()."
+                )
 
     def point_params_at_full(self, full: torch.Tensor) -> None:
         """Original parameters become full-shaped views of ``full`` (used by summon_full_params)."""

@@ -60,6 +60,7 @@ class _RootState:
         self.engine.begin_step()
         for unit in self.units:
             for flat in unit.flat_params:
+                flat.check_params_are_shard_views()
                 flat.release_grad_if_unused()
         self._current_order, self._current_set, self._order_ok = [], set(), True
         mp = self.mixed_precision

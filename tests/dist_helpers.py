@@ -55,7 +55,7 @@ def spawn(world_size: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -
         for p in procs:
             if p.is_alive():
                 p.kill()
-        results, errors = [], []
+        results, errors, by_rank = [], [], {}
         for r in range(world_size):
             path = os.path.join(result_dir, f"rank{r}.pt")
             if not os.path.exists(path):
@@ -64,8 +64,11 @@ def spawn(world_size: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -
             payload = torch.load(path, weights_only=False)
             if payload["ok"]:
                 results.append(payload["result"])
+                by_rank[r] = payload["result"]
             else:
                 errors.append(f"rank {r}:\n{payload['error']}")
         if errors:
-            raise RuntimeError("distributed test failed\n" + "\n".join(errors))
+            failure = RuntimeError("distributed test failed\n" + "\n".join(errors))
+            failure.results = by_rank  # what the surviving ranks returned
+            raise failure
         return results

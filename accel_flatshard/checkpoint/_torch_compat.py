@@ -210,6 +210,7 @@ def dcp_save(state_dict: Dict[str, Any], directory: str, planner: SavePlanner,
     writer = RecordingWriter(directory)
     with warnings.catch_warnings(), _reraise_plainly("save", directory):
         warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=group is None)
     return writer

@@ -1,0 +1,80 @@
+"""Bad input gets an error that names the culprit; a dead rank makes the others fail, not hang."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+from dist_helpers import spawn
+from models import gpt2, llama
+from toy import Block, Toy
+
+
+def _expect(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _errors_worker(rank, world_size):
+    errors = {}
+    errors["group_size"] = _expect(lambda: FullyShardedDataParallel(Toy(), fsdp_group_size=3))
+    errors["no_block"] = _expect(lambda: transformer_auto_wrap_policy(gpt2(), ["LlamaDecoderLayer"]))
+    wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
+    errors["ours_twice"] = _expect(lambda: FullyShardedDataParallel(wrapped.module))
+    errors["ddp"] = _expect(lambda: FullyShardedDataParallel(DDP(nn.Linear(2, 2))))
+    mixed = Toy()
+    mixed.head.to(torch.float64)
+    errors["devices_dtypes_ok"] = _expect(lambda: FullyShardedDataParallel(mixed))  # dtypes: separate flats
+    int_param = Toy()
+    int_param.register_parameter("steps", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    errors["int_param"] = _expect(lambda: FullyShardedDataParallel(int_param))
+    # a parameter changed behind the engine's back is detected at the next forward
+    wrapped.module.head.weight.data = torch.zeros(12)
+    errors["changed"] = _expect(lambda: wrapped(torch.ones(2, 12)))
+    return errors
+
+
+def test_bad_input_errors_name_the_culprit():
+    errors = spawn(2, _errors_worker)[0]
+    assert "fsdp_group_size=3" in errors["group_size"] and "divide the world size 2" in errors["group_size"]
+    assert "LlamaDecoderLayer" in errors["no_block"] and "GPT2Block" in errors["no_block"]
+    assert "already wrapped by accel_flatshard" in errors["ours_twice"]
+    assert "DistributedDataParallel" in errors["ddp"]
+    assert errors["devices_dtypes_ok"] == "no error"
+    assert "steps" in errors["int_param"] and "int64" in errors["int_param"]
+    assert "head.weight" in errors["changed"] and "behind accel_flatshard's back" in errors["changed"]
+
+
+def _dies_mid_step(rank, world_size):
+    model = llama()
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    x = torch.randint(0, 100, (2, 8))
+    wrapped(x, labels=x).loss.backward()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        wrapped(x, labels=x).loss.backward()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_rank_killed_mid_step_makes_the_survivor_fail_fast_with_context():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(2, _dies_mid_step, timeout_s=20)
+    elapsed = time.monotonic() - start
+    report = str(info.value)
+    # rank 1 has no result (killed); rank 0 returned the error it saw instead of hanging
+    assert "rank 1: exited with code -9" in report
+    message, waited = info.value.results[0]
+    assert "accel_flatshard:" in message and "of unit" in message and "peer rank probably died" in message, message
+    assert waited < 20 and elapsed < 60, f"survivor waited {waited:.0f}s, test took {elapsed:.0f}s"
