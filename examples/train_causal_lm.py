@@ -187,7 +187,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     kwargs = {"log_with": args.report_to, "project_dir": args.output_dir} if args.with_tracking else {}
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **kwargs)
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.WARNING)
+    logging.getLogger(__name__).setLevel(logging.INFO)  # this script's messages; libraries stay quiet
     logger.info(accelerator.state, main_process_only=False)
     if accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_warning()

@@ -18,7 +18,7 @@ import datasets
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration
+from accelerate.utils import DistributedType, ProjectConfiguration, gather_object
 from torch.utils.data import DataLoader
 
 VOCAB, SEQ = 128, 16
@@ -65,11 +65,11 @@ def build_model(args):
     torch.manual_seed(args.seed)
     if args.model == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     else:
         config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                           num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-                                          max_position_embeddings=32)
+                                          max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -108,6 +108,8 @@ def main(argv=None, accelerator_cls=None):
     accelerator = (accelerator_cls or Accelerator)(project_config=project_config, **kwargs)
 
     model = build_model(args)
+    # with fsdp_cpu_ram_efficient_loading, from_pretrained leaves ranks > 0 on the meta device
+    meta_params = gather_object([sum(int(p.is_meta) for p in model.parameters())])
     micro_per_rank = args.steps * args.gradient_accumulation_steps
     train_ds = token_dataset(micro_per_rank * args.per_device_batch_size * accelerator.num_processes, seed=1)
     eval_ds = token_dataset(10, seed=2)  # not a multiple of the global batch: gather_for_metrics trims
@@ -172,7 +174,7 @@ def main(argv=None, accelerator_cls=None):
 
     result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "accelerator_class": f"{type(accelerator).__module__}.{type(accelerator).__name__}",
-              "model_class": type(accelerator.unwrap_model(model)).__name__}
+              "model_class": type(accelerator.unwrap_model(model)).__name__, "meta_params_per_rank": meta_params}
     if args.resume_from:
         result["resumed"] = []
         for directory in args.resume_from:
