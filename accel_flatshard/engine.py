@@ -169,6 +169,14 @@ class Engine:
             r.shard_out.mul_(scale)
             r.flat.accumulate_sharded_grad(r.shard_out)
 
+    def drain_discarding_reductions(self) -> None:
+        """Wait for outstanding collectives without using their results (after an aborted backward)."""
+        for flat in list(self._gathers):
+            self.wait_unshard(flat)
+        pending, self._reduces = self._reduces, []
+        for r in pending:
+            _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
+
     def has_pending(self) -> bool:
         return bool(self._gathers) or bool(self._reduces)
 

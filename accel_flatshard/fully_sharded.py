@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
 from .flat_param import FlatParameter
@@ -56,7 +58,10 @@ class _RootState:
     # ------------------------------------------------------------------ forward
     def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
         if self.in_backward:
-            return args, kwargs
+            if inside_backward_pass():
+                return args, kwargs  # the root itself recomputed under activation checkpointing
+            self._abandon_backward()
+
         self.engine.begin_step()
         for unit in self.units:
             for flat in unit.flat_params:
@@ -65,8 +70,8 @@ class _RootState:
         self._current_order, self._current_set, self._order_ok = [], set(), True
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-            cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         return args, kwargs
 
     def on_unit_forward(self, unit: Unit) -> None:
@@ -105,7 +110,8 @@ class _RootState:
         if not self._callback_queued:
             self._callback_queued = True
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            _ROOTS_IN_BACKWARD.add(self)
+            queue_end_of_backward_callback(self.finish_backward)
 
     def prefetch_before(self, unit: Unit) -> None:
         """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
@@ -120,10 +126,44 @@ class _RootState:
     def finish_backward(self) -> None:
         """End of backward (autograd callback): complete reductions, free everything, reset states."""
         self.engine.finish_reduces()
+        self._reset_after_backward()
+
+    def _reset_after_backward(self) -> None:
         for unit in self.units:
             unit.finish()
         self.in_backward = False
         self._callback_queued = False
+        _ROOTS_IN_BACKWARD.discard(self)
+
+    def _abandon_backward(self) -> None:
+        """A backward that raised never ran our end-of-backward callback: finish the collectives it started
+        (every rank started the same ones) and start clean; its partial gradients are dropped."""
+        warnings.warn("accel_flatshard: the previous backward did not complete; its gradients are discarded")
+        self.engine.drain_discarding_reductions()
+        self._reset_after_backward()
+
+
+# Roots whose backward has started but not finished; optimizer steps must not see their gradients yet.
+_ROOTS_IN_BACKWARD: "weakref.WeakSet[_RootState]" = weakref.WeakSet()
+
+
+def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _ROOTS_IN_BACKWARD:
+        return
+    busy = {id(root.engine.group) for root in _ROOTS_IN_BACKWARD}
+    if any(id(getattr(p, "_flatshard_group", None)) in busy for g in optimizer.param_groups for p in g["params"]):
+        if inside_backward_pass():
+            raise RuntimeError(
+                "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
+                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns."
+            )
+        raise RuntimeError(
+            "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
+            "unreduced. Run forward and backward again before stepping."
+        )
+
+
+register_optimizer_step_pre_hook(_refuse_step_during_backward)
 
 
 class FullyShardedDataParallel(nn.Module):

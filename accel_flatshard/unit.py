@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
+from ._compat import tensors_in
 from .flat_param import FlatParameter
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class Unit:
         return output
 
     def _hook_outputs_for_backward(self, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 

@@ -78,3 +78,30 @@ def test_a_rank_killed_mid_step_makes_the_survivor_fail_fast_with_context():
     message, waited = info.value.results[0]
     assert "accel_flatshard:" in message and "of unit" in message and "peer rank probably died" in message, message
     assert waited < 20 and elapsed < 60, f"survivor waited {waited:.0f}s, test took {elapsed:.0f}s"
+
+
+def _step_during_backward_worker(rank, world_size):
+    wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    x = torch.ones(2, 12)
+    errors = {}
+    # 1. a step from inside backward (e.g. an optimizer-in-backward hook)
+    out = wrapped(x)
+    hook = out.register_hook(lambda g: opt.step())
+    errors["inside"] = _expect(out.backward)
+    hook.remove()
+    # 2. a backward that raised part-way; stepping on its partial gradients is refused
+    errors["after_abort_step"] = _expect(opt.step)
+    # 3. the next step starts clean and trains normally
+    loss = wrapped(x)
+    loss.backward()
+    opt.step()
+    grads_ok = all(p.grad is not None for p in wrapped.parameters())
+    return errors, grads_ok
+
+
+def test_optimizer_step_with_gradients_of_an_unfinished_backward_is_refused():
+    errors, grads_ok = spawn(2, _step_during_backward_worker)[0]
+    assert "while a backward of an accel_flatshard model is still running" in errors["inside"]
+    assert "backward that did not complete" in errors["after_abort_step"]
+    assert grads_ok

@@ -1,0 +1,30 @@
+"""The one adapter for torch internals the engine needs (checked on torch 2.4 - 2.13).
+
+Everything here is a private or semi-private torch API; keeping them in one place makes a torch upgrade
+a one-file review.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+from torch.utils._pytree import tree_flatten as _tree_flatten
+from torch.utils._pytree import tree_map as _tree_map
+
+
+def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass has finished (torch FSDP uses the same engine call)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def inside_backward_pass() -> bool:
+    """True while the autograd engine executes a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensors_in(tree: Any) -> List[torch.Tensor]:
+    return [t for t in _tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    return _tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
