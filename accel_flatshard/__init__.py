@@ -6,6 +6,8 @@ from .unit import BackwardPrefetch
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 __all__ = [
+    "Accelerator",
+    "register",
     "FullyShardedDataParallel",
     "BackwardPrefetch",
     "MixedPrecision",
@@ -14,3 +16,12 @@ __all__ = [
     "transformer_auto_wrap_policy",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The Accelerate backend imports accelerate: load it only when asked for.
+    if name in ("Accelerator", "register"):
+        from .integrations import accelerate as _accelerate
+
+        return getattr(_accelerate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -224,8 +224,8 @@ class FullyShardedDataParallel(nn.Module):
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _module_device(module)
         if device.type == "meta":
-            device = materialization_device(self.shard_group.backend)
-        _check_device(device, self.shard_group.backend, module)
+            device = materialization_device(self.shard_group.uses_nccl)
+        _check_device(device, self.shard_group, module)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
         engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler or NULL_PROFILER)
@@ -460,10 +460,10 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_device(device: torch.device, backend: str, module: nn.Module) -> None:
-    if backend == "nccl" and device.type != "cuda":
+def _check_device(device: torch.device, group: ShardGroup, module: nn.Module) -> None:
+    if group.uses_nccl and not group.uses_gloo and device.type != "cuda":
         raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call model.to('cuda') first or use gloo")
-    if backend == "gloo" and device.type == "cuda":
+    if group.uses_gloo and not group.uses_nccl and device.type == "cuda":
         raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl backend for CUDA")
 
 

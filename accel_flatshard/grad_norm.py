@@ -42,7 +42,7 @@ def clip_grad_norm_(
             continue
         (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
     device = next((g.device for g in sharded + replicated), torch.device("cpu"))
-    if group is not None and group.backend == "nccl" and device.type != "cuda":
+    if group is not None and group.uses_nccl and not group.uses_gloo and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     is_inf = norm_type == float("inf")
     local_sharded = _partial_norm(sharded, norm_type, device)

@@ -21,9 +21,9 @@ def has_own_meta_tensors(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in tensors)
 
 
-def materialization_device(backend: str) -> torch.device:
-    """Where meta tensors are materialised: the current CUDA device for nccl, else the CPU."""
-    if backend == "nccl":
+def materialization_device(uses_nccl: bool) -> torch.device:
+    """Where meta tensors are materialised: the current CUDA device with nccl, else the CPU."""
+    if uses_nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -22,18 +22,22 @@ USAGE = (
 )
 
 
+def _register() -> None:
+    from .integrations.accelerate import register
+
+    register()
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         raise SystemExit(2 if not argv else 0)
-    from .integrations.accelerate import register
-
-    register()
     if argv[0] == "-m":
         if len(argv) < 2:
             print(USAGE, file=sys.stderr)
             raise SystemExit(2)
+        _register()
         module = argv[1]
         sys.argv = [module] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -42,6 +46,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isfile(script):
         print(f"accel_flatshard.run: no such script {script!r}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
+    _register()
     sys.argv = [script] + argv[1:]
     # as `python script.py` does: the script's directory first on sys.path (sibling imports work)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

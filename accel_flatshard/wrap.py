@@ -22,10 +22,16 @@ def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
     return isinstance(module, classes)
 
 
+# Containers have no forward of their own (a unit's gather runs in its forward hook) and
+# MultiheadAttention reads its weights outside its submodules' forwards: never units, as in torch.
+_EXCLUDED_FROM_SIZE_WRAP = (nn.ModuleList, nn.ModuleDict)
+_SIZE_WRAP_LEAVES = (nn.MultiheadAttention,)
+
+
 def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min_num_params: int) -> bool:
     if recurse:
-        return True
-    return nonwrapped_numel >= min_num_params
+        return not isinstance(module, _SIZE_WRAP_LEAVES)
+    return nonwrapped_numel >= min_num_params and not isinstance(module, _EXCLUDED_FROM_SIZE_WRAP)
 
 
 def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) -> Set[Type[nn.Module]]:
@@ -109,8 +115,10 @@ def select_units(root: nn.Module, policy: Optional[Policy]) -> List[nn.Module]:
 
 def _select(module: nn.Module, policy: Policy, units: List[nn.Module], seen: Set[int]) -> int:
     """Decide units inside ``module``; returns the numel of its parameters not claimed by a unit."""
-    if not policy(module=module, recurse=True, nonwrapped_numel=0):
-        return _numel(module, seen)
+    # torch's size-based policy decides whether to recurse from the module's not-yet-wrapped size
+    unclaimed = sum(p.numel() for p in module.parameters() if id(p) not in seen)
+    if not policy(module=module, recurse=True, nonwrapped_numel=unclaimed):
+        return _numel(module, seen)  # not looked into: its parameters stay with the enclosing unit
     nonwrapped = 0
     for child in module.children():
         nonwrapped += _select(child, policy, units, seen)

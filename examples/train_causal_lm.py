@@ -55,7 +55,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--num_train_epochs", type=int, default=1)
-    p.add_argument("--max_train_steps", type=int, default=100, help="overrides num_train_epochs when set")
+    p.add_argument("--max_train_steps", type=int, default=150, help="overrides num_train_epochs when set")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--lr_scheduler_type", default="cosine")
@@ -301,8 +301,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         if completed_steps >= args.max_train_steps:
             break
 
-    if args.with_tracking:
-        accelerator.end_training()
     accelerator.wait_for_everyone()
     final_dir = os.path.join(args.output_dir, "final")
     unwrapped = accelerator.unwrap_model(model)
@@ -315,6 +313,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             json.dump({**metrics, "train_history": history, "train_seconds": time.time() - start}, f, indent=1)
     accelerator.print(f"saved {type(unwrapped).__name__} and tokenizer to {final_dir} ({time.time() - start:.0f}s)")
     accelerator.wait_for_everyone()
+    if args.with_tracking:
+        accelerator.end_training()  # last: it also destroys the process group
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ would use torch FSDP.  What differs from plain accelerate, and why:
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import warnings
 from types import MethodType
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import accelerate
 import accelerate.accelerator
@@ -146,8 +145,14 @@ class Accelerator(_BaseAccelerator):
         self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
     ) -> nn.Module:
         opts = self._flatshard_options
-        if opts is None or evaluation_mode:
+        if opts is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if evaluation_mode:
+            # not trained, not sharded: accelerate's path (autocast, compile); under FSDP it would not move
+            # the model to the device, which torch FSDP does itself but nothing does here
+            if device_placement is None:
+                device_placement = self.device_placement
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         if getattr(model, "_is_accelerate_prepared", False):
             if model not in self._models:
                 self._models.append(model)
@@ -194,9 +199,7 @@ class Accelerator(_BaseAccelerator):
                     "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
                     "fsdp_sync_module_states is false: nothing would fill them; set it to true"
                 )
-            model.to_empty(device=device)  # values arrive from rank 0 (sync_module_states) when wrapping
-            if hasattr(model, "tie_weights"):
-                model.tie_weights()
+            _materialize_meta(model, device)  # values arrive from rank 0 (sync_module_states) when wrapping
         if self.state.mixed_precision != "no":
             low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
             if low:
@@ -253,6 +256,8 @@ class Accelerator(_BaseAccelerator):
         """
         wrapped = self._find_wrapper(model)
         if wrapped is None:
+            if self._flatshard_options is not None:  # e.g. an evaluation-mode model: nothing is sharded
+                return (self.unwrap_model(model) if unwrap else model).state_dict()
             return super().get_state_dict(model, unwrap=unwrap)
         from ..checkpoint import full_state_dict
 
@@ -296,7 +301,7 @@ def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     for name, sub in model.named_modules():
-        where = f"submodule {name!r}" if name else "the model"
+        where = f"its submodule {name!r} is" if name else "it is"
         kind = None
         if isinstance(sub, DistributedDataParallel):
             kind = "torch DistributedDataParallel"
@@ -308,9 +313,28 @@ def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
             kind = "accel_flatshard (nested)"
         if kind:
             raise ValueError(
-                f"accelerator.prepare got a model whose {where} is already wrapped by {kind}; pass the plain "
+                f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
                 "model: accel_flatshard shards it itself under the FSDP config"
             )
+
+
+def _materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Give meta parameters and buffers (uninitialised) storage on ``device``, keeping each Parameter object.
+
+    ``model.to_empty()`` would create new Parameter objects (a meta tensor cannot take CPU data in place),
+    silently detaching an optimizer built before ``prepare`` and untying shared weights; swapping the
+    tensors' contents keeps identity, so both keep working.
+    """
+    seen = set()
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta or id(p) in seen:
+                continue
+            seen.add(id(p))
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:

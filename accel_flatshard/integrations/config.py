@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -31,6 +31,11 @@ ENV_VARS: Dict[str, str] = {
     "(default: the mixed-precision dtype, as accelerate's FSDP policy)",
     "FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE": "1 | 0: reduce gradients with all-reduce + slice "
     "(default: 1 on gloo, 0 otherwise; read by accel_flatshard.comm)",
+    "FLATSHARD_TIMEOUT_S": "timeout in seconds of the shard/replica process groups accel_flatshard creates "
+    "(default 1800; read by accel_flatshard.comm)",
+    "FLATSHARD_PROFILE": "directory: switch the profiler on and write one Chrome trace per rank there "
+    "(1: the table only)",
+    "FLATSHARD_PROFILE_EVERY": "with FLATSHARD_PROFILE: print the profiler table every N steps (default 10)",
 }
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -93,7 +98,6 @@ class FlatShardOptions:
     sync_module_states: bool = True
     mixed_precision: Optional[MixedPrecision] = None
     limit_all_gathers: int = 2
-    notes: List[str] = field(default_factory=list)
 
     def auto_wrap_policy(self, model: nn.Module) -> Optional[Policy]:
         """The policy for ``model``; an unknown layer class raises ``ValueError`` naming the classes present."""
@@ -182,14 +186,16 @@ def options_from_plugin(
         opts.wrap = "none"
     elif base is torch_transformer_policy:
         opts.wrap = "transformer"
-        names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+        bound = getattr(policy, "keywords", {}).get("transformer_layer_cls")  # a partial made by hand
+        names = [c.__name__ for c in bound] if bound else getattr(plugin, "transformer_cls_names_to_wrap", None)
         if isinstance(names, str):
             names = names.split(",")
         names = [n.strip() for n in names or [] if n and n.strip()]
         opts.layer_cls_names = names or None
     elif base is torch_size_policy:
         opts.wrap = "size"
-        opts.min_num_params = int(getattr(plugin, "min_num_params", 0) or 0)
+        bound = getattr(policy, "keywords", {}).get("min_num_params")
+        opts.min_num_params = int(bound if bound is not None else getattr(plugin, "min_num_params", 0) or 0)
     elif callable(policy):
         opts.wrap, opts.custom_policy = "custom", policy  # torch-signature policies work unchanged
     else:

@@ -58,28 +58,40 @@ def main():
     expect_error(results, "unknown_layer_class", lambda: accelerator.prepare(gpt2()), ValueError)
     accelerator.flatshard_options.layer_cls_names = ["GPT2Block"]
 
-    # 4. models wrapped by torch DDP / torch FSDP
+    # 4. models wrapped by torch DDP / torch fully_shard (torch FSDP1 refuses to build on CPU; its
+    #    isinstance check is covered by test_accelerate_config.py)
     expect_error(results, "torch_ddp", lambda: accelerator.prepare(torch.nn.parallel.DistributedDataParallel(gpt2())),
                  ValueError)
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    try:
-        torch_fsdp_model = TorchFSDP(gpt2(), device_id=None)
-    except Exception as e:  # noqa: BLE001 - torch FSDP may refuse CPU; then fake the class check
-        results["torch_fsdp_construct"] = repr(e)[:200]
-        torch_fsdp_model = None
-    if torch_fsdp_model is not None:
-        expect_error(results, "torch_fsdp", lambda: accelerator.prepare(torch_fsdp_model), ValueError)
+    fsdp2_model = gpt2()
+    fully_shard(fsdp2_model, mesh=init_device_mesh("cpu", (accelerator.num_processes,)))
+    expect_error(results, "torch_fsdp2", lambda: accelerator.prepare(fsdp2_model), ValueError)
 
-    # 5. two models
-    model = gpt2()
+    # 5. a model whose ranks > 0 hold meta tensors (what cpu_ram_efficient_loading gives): rank 0's
+    #    values must arrive everywhere; the optimizer made before prepare keeps working
+    rank = accelerator.process_index
+    if rank == 0:
+        model = gpt2()
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        with torch.device("meta"):
+            model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, FullyShardedDataParallel)
+    full = accelerator.get_state_dict(model)
+    if rank == 0:
+        results["meta_rank1_synced"] = all(torch.equal(full[k], initial[k]) for k in initial)
+    else:
+        assert full == {}
+    assert not any(p.is_meta for p in model.parameters())
+
+    # 6. two models
     expect_error(results, "two_models", lambda: accelerator.prepare(gpt2(1)), ValueError)
 
-    # 6. fp16: scaled backward, then an inf in rank 1's gradient shard only must skip the step on both ranks
-    rank = accelerator.process_index
+    # 7. fp16: scaled backward, then an inf in rank 1's gradient shard only must skip the step on both ranks
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 128, (4, 16), generator=g) for _ in range(4)]
     skipped, scales, losses = [], [], []
@@ -103,12 +115,11 @@ def main():
     dist.all_gather_object(flags, (skipped, results[f"changed_rank{rank}"], scales))
     results["fp16"] = {"per_rank": flags, "losses_rank0": losses}
 
-    # 7. unwrap_model gives the user's class; clip_grad_value_ works on shards
+    # 8. unwrap_model gives the user's class; clip_grad_value_ works on shards
     results["unwrapped_class"] = type(accelerator.unwrap_model(model)).__name__
     x = batches[0].chunk(accelerator.num_processes)[rank]
     accelerator.backward(model(input_ids=x, labels=x).loss)
     accelerator.clip_grad_value_(model.parameters(), 1e-4)
-    accelerator.unscale_gradients  # (already unscaled by clip_grad_value_)
     results[f"max_grad_after_clip_value_rank{rank}"] = max(
         float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None and p.grad.numel())
 

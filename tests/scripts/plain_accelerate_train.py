@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--resume_from", nargs="*", default=[], help="directories saved at --save_at to resume from")
     p.add_argument("--auto_ckpt_dir", default=None, help="automatic_checkpoint_naming, total_limit=2; saves at 2, 4, 6")
     p.add_argument("--save_pretrained_dir", default=None)
+    p.add_argument("--save_model_dir", default=None, help="accelerator.save_model(model, dir)")
     p.add_argument("--output_json", required=True)
     return p.parse_args(argv)
 
@@ -121,18 +122,26 @@ def main(argv=None, accelerator_cls=None):
                                           num_training_steps=args.steps * accelerator.num_processes)
 
     if args.prepare_style == "together":
-        optimizer = optimizer_for(model, args.lr)
+        optimizer = created_optimizer = optimizer_for(model, args.lr)
         scheduler = make_scheduler(optimizer)
         model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
     elif args.prepare_style == "reversed":
-        optimizer = optimizer_for(model, args.lr)
+        optimizer = created_optimizer = optimizer_for(model, args.lr)
         scheduler = make_scheduler(optimizer)
         scheduler, eval_dl, train_dl, optimizer, model = accelerator.prepare(scheduler, eval_dl, train_dl, optimizer, model)
     else:  # optimizer made from the prepared model
         model = accelerator.prepare(model)
-        optimizer = optimizer_for(model, args.lr)
+        optimizer = created_optimizer = optimizer_for(model, args.lr)
         scheduler = make_scheduler(optimizer)
         optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(optimizer, train_dl, eval_dl, scheduler)
+
+    raw_optimizer = optimizer.optimizer
+    model_params = {id(p) for p in model.parameters()}
+    links = {  # prepare keeps the optimizer object, its parameters are the model's, the scheduler drives it
+        "optimizer_is_original": raw_optimizer is created_optimizer and scheduler.scheduler.optimizer is created_optimizer,
+        "optimizer_params_in_model": all(id(p) in model_params for g in raw_optimizer.param_groups for p in g["params"]),
+        "optimizer_param_count": sum(len(g["params"]) for g in raw_optimizer.param_groups),
+    }
 
     counter = StepCounter()
     accelerator.register_for_checkpointing(counter)
@@ -174,7 +183,8 @@ def main(argv=None, accelerator_cls=None):
 
     result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "accelerator_class": f"{type(accelerator).__module__}.{type(accelerator).__name__}",
-              "model_class": type(accelerator.unwrap_model(model)).__name__, "meta_params_per_rank": meta_params}
+              "model_class": type(accelerator.unwrap_model(model)).__name__, "meta_params_per_rank": meta_params,
+              "links": links}
     if args.resume_from:
         result["resumed"] = []
         for directory in args.resume_from:
@@ -208,6 +218,8 @@ def main(argv=None, accelerator_cls=None):
         unwrapped.save_pretrained(args.save_pretrained_dir, is_main_process=accelerator.is_main_process,
                                   save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
         result["saved_class"] = type(unwrapped).__name__
+    if args.save_model_dir:
+        accelerator.save_model(model, args.save_model_dir)
 
     if args.auto_ckpt_dir:
         accelerator.wait_for_everyone()
