@@ -94,6 +94,11 @@ class ShardGroup:
         self.bytes_reduced = 0
 
     @property
+    def replica_index(self) -> int:
+        """Which shard group this rank belongs to (shard groups are consecutive blocks of ranks)."""
+        return self.world_rank // self.shard_size
+
+    @property
     def is_hybrid(self) -> bool:
         return self.replica_group is not None
 

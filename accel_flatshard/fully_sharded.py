@@ -335,8 +335,7 @@ class FullyShardedDataParallel(nn.Module):
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
         """
-        self._check_idle("summon_full_params")
-        self._root.engine.drain()
+        self.ensure_idle("summon_full_params")
         gathered: List[Tuple[FlatParameter, torch.Tensor, List[Optional[torch.Tensor]]]] = []
         try:
             for flat in self.flat_params:
@@ -368,10 +367,14 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds in parameter shards and sharded gradients."""
         return sum(f.numel_bytes() for f in self.flat_params)
 
-    def _check_idle(self, what: str) -> None:
+    def ensure_idle(self, what: str) -> None:
+        """Raise if called during forward/backward; otherwise finish every in-flight collective.
+
+        For code that reads or writes shards outside the training step (checkpointing, evaluation)."""
         busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
         if busy or self._root.in_backward:
             raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
+        self._root.engine.drain()
 
     def extra_repr(self) -> str:
         g = self.shard_group

@@ -5,8 +5,9 @@ wrote, rank 0 writes ``flatshard.json`` last (with every checksum and the ``.met
 renames the directory into place; every rank learns whether that worked.
 
 ``open_checkpoint`` + ``load_entries``: read ``flatshard.json``, check ``.metadata``'s checksum, unpickle
-it through the allow-list, plan this rank's reads, check size and checksum of exactly the byte ranges
-this rank will read, then let DCP copy them into the targets.  Errors name the file or key; every
+it through the allow-list, plan this rank's reads, check that the files it needs exist with their
+recorded sizes, then let DCP read: each needed item is read once, its CRC32 checked, and only the
+overlapping parts copied into the targets.  Errors name the file or key; every
 rank raises when any rank fails (no rank is left waiting in a collective).
 
 Example::
@@ -29,7 +30,8 @@ from ._files import (
     FORMAT_VERSION,
     META_FILE,
     CheckpointError,
-    checksum_items,
+    describe_written,
+    item_crcs,
     commit_dir,
     crc32_of_range,
     dtype_to_str,
@@ -92,9 +94,9 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
         raise
     local_error, files = None, {}
     try:
-        files = checksum_items(tmp, writer.written)
+        files = describe_written(tmp, writer.written)
     except OSError as e:
-        local_error = f"rank {rank}: cannot checksum what it wrote in {tmp}: {e}"
+        local_error = f"rank {rank}: cannot stat what it wrote in {tmp}: {e}"
     gathered: List[Any] = [(local_error, files)]
     if world is not None and size > 1:
         gathered = [None] * size
@@ -163,7 +165,7 @@ def open_checkpoint(directory: str, kind: str) -> Tuple[str, Dict[str, Any], Met
 
 
 def load_entries(group, directory: str, meta: Dict[str, Any], md: Metadata, entries: Dict[str, Entry],
-                 verify_checksums: bool = True, error: Optional[str] = None) -> None:
+                 verify_checksums: bool = True, error: Optional[Exception] = None) -> None:
     """Collective: fill ``entries`` from the checkpoint; ``error`` (a problem found earlier on this
     rank) is raised on every rank instead of loading."""
     world = _world(group)
@@ -172,10 +174,10 @@ def load_entries(group, directory: str, meta: Dict[str, Any], md: Metadata, entr
             reads = plan_reads(entries, md)
             records = storage_records(md, directory)
             needed = sorted({records[r.storage_index] for r in reads})
-            problems = verify_items(directory, meta["files"], needed, check_crc=verify_checksums)
+            problems = verify_items(directory, meta["files"], needed, check_crc=False)  # CRCs: while reading
             if problems:
-                error = "checkpoint files are damaged:\n  " + "\n  ".join(problems)
-        except CheckpointError as e:
-            error = str(e)
+                error = CheckpointError("checkpoint files are damaged:\n  " + "\n  ".join(problems))
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
     agree_on_error(world if _rank_size(world)[1] > 1 else None, error)
-    dcp_load(entries, directory, md, FlatLoadPlanner(), world)
+    dcp_load(entries, directory, md, FlatLoadPlanner(), world, item_crcs(meta["files"]) if verify_checksums else None)

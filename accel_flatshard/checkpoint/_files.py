@@ -82,6 +82,8 @@ def commit_dir(tmp: str, final: str) -> None:
     _fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for leftover in glob.glob(glob.escape(final) + ".old-*"):  # from an earlier interrupted replace
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def remove_dir_quietly(path: str) -> None:
@@ -136,7 +138,7 @@ def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
         if field not in meta:
             raise CheckpointError(f"{path}: field {field!r} is missing")
     if kind is not None and meta["kind"] != kind:
-        raise CheckpointError(f"{directory}: holds a {meta['kind']} checkpoint, expected a {kind} checkpoint")
+        raise CheckpointError(f"{directory}: this is a checkpoint of kind {meta['kind']!r}, expected kind {kind!r}")
     return meta
 
 
@@ -155,13 +157,18 @@ def crc32_of_range(path: str, offset: int, length: int, block: int = 16 << 20) -
     return crc
 
 
-def checksum_items(directory: str, items: Iterable[Tuple[str, int, int]]) -> Dict[str, Dict[str, Any]]:
-    """``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}`` for the written items."""
+def describe_written(directory: str, written: Iterable[Tuple[str, int, int, int]]) -> Dict[str, Dict[str, Any]]:
+    """``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}`` for what a rank wrote."""
     out: Dict[str, Dict[str, Any]] = {}
-    for name, offset, length in items:
+    for name, offset, length, crc in written:
         entry = out.setdefault(name, {"size": os.path.getsize(os.path.join(directory, name)), "items": []})
-        entry["items"].append([offset, length, crc32_of_range(os.path.join(directory, name), offset, length)])
+        entry["items"].append([offset, length, crc])
     return out
+
+
+def item_crcs(files: Dict[str, Any]) -> Dict[Tuple[str, int, int], int]:
+    """``{(file, offset, length): crc32}`` from the ``files`` section of ``flatshard.json``."""
+    return {(name, o, n): c for name, entry in files.items() for o, n, c in entry.get("items", [])}
 
 
 def verify_items(directory: str, files: Dict[str, Any], needed: Iterable[Tuple[str, int, int]],

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -89,7 +89,7 @@ class ModelIndex:
     @property
     def replica_index(self) -> int:
         """Which shard group (replica) this rank is in; 0 writes checkpoints under hybrid sharding."""
-        return self.group.world_rank // self.group.shard_size
+        return self.group.replica_index
 
     def world_group(self):
         return self.group.world_group
@@ -109,12 +109,9 @@ class ModelIndex:
 
 def quiesce(model: nn.Module, what: str) -> None:
     """Refuse to run during forward/backward; finish in-flight collectives first."""
-    check = getattr(model, "_check_idle", None)
-    if check is not None:
-        check(what)
-    engine = getattr(getattr(model, "_root", None), "engine", None)
-    if engine is not None and hasattr(engine, "drain"):
-        engine.drain()
+    ensure_idle = getattr(model, "ensure_idle", None)
+    if ensure_idle is not None:
+        ensure_idle(what)
 
 
 def param_names(module: nn.Module) -> Dict[int, str]:
@@ -122,22 +119,25 @@ def param_names(module: nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def agree_on_error(group: Optional[Any], message: Optional[str]) -> None:
-    """Collective: raise on every rank if any rank had an error (avoids some ranks hanging in the next
-    collective).  ``group`` is a ShardGroup's world group or None (single process)."""
+def agree_on_error(group: Optional[Any], error: Union[None, str, BaseException]) -> None:
+    """Collective: raise on every rank if any rank had an error (so no rank is left waiting in the
+    next collective).  A rank re-raises its own exception; the others raise a
+    :class:`CheckpointError` (or :class:`UnsafeCheckpointError`) carrying the first failing rank's
+    message.  ``group``: a process group, or None for a single process."""
     import torch.distributed as dist
 
-    from ._files import CheckpointError
+    from ._files import CheckpointError, UnsafeCheckpointError
 
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if message:
-            raise CheckpointError(message)
-        return
-    messages: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, message, group=group)
-    failed = [(r, m) for r, m in enumerate(messages) if m]
-    if failed:
-        if message:
-            raise CheckpointError(message)
-        rank, first = failed[0]
-        raise CheckpointError(f"rank {rank} failed: {first}")
+    if isinstance(error, str):
+        error = CheckpointError(error)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        mine = None if error is None else (type(error).__name__, str(error))
+        everyone: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+        if failed and error is None:
+            rank, (cls, message) = failed[0]
+            kind = UnsafeCheckpointError if cls == "UnsafeCheckpointError" else CheckpointError
+            raise kind(f"rank {rank} failed: {message}")
+    if error is not None:
+        raise error

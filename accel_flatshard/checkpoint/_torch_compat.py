@@ -7,20 +7,24 @@ that moves them breaks one file.  Private pieces used (checked on torch 2.13):
   with :func:`load_metadata_safely` (an allow-list unpickler), and the loader is handed the metadata
   we already validated instead of reading it again.
 * ``torch.distributed.checkpoint.filesystem._StorageInfo`` (``relative_path, offset, length``) is the
-  per-item storage record in ``Metadata.storage_data``; we read it for file checks and checksums.
-* ``FileSystemWriter.write_data`` returns the rank's ``WriteResult`` list; we keep it to checksum
-  what this rank wrote.
+  per-item storage record in ``Metadata.storage_data``; with ``DEFAULT_SUFFIX`` it lets our writer's
+  ``write_data`` and reader's ``read_data`` replace DCP's loops while keeping DCP's file format (stock
+  DCP tools such as ``dcp_to_torch_save`` read our checkpoints).  DCP 2.13's writer keeps every chunk
+  copy alive until the rank's file is done; ours holds one, checksums while writing, and our reader
+  reads each needed item once, verifying its CRC32.
+* ``torch.distributed.checkpoint.api.CheckpointException`` (a BaseException carrying every rank's
+  error) is turned back into the failing rank's own exception.
 
 Public DCP API used: ``save``/``load`` with a custom ``SavePlanner``/``LoadPlanner`` and the
 ``FileSystemWriter``/``FileSystemReader`` storage layer; the metadata dataclasses.
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
 import warnings
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -28,12 +32,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX as _DCP_SUFFIX
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -48,6 +53,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ._files import CheckpointError, UnsafeCheckpointError
 
@@ -55,7 +62,7 @@ __all__ = [
     "ChunkStorageMetadata", "LoadItemType", "LoadPlan", "LoadPlanner", "Metadata", "MetadataIndex",
     "ReadItem", "SavePlan", "SavePlanner", "TensorProperties", "TensorStorageMetadata", "TensorWriteData",
     "WriteItem", "WriteItemType", "METADATA_FILE", "load_metadata_safely", "storage_records", "dcp_save",
-    "dcp_load", "RecordingWriter",
+    "dcp_load",
 ]
 
 METADATA_FILE = ".metadata"  # DCP's name for its metadata file
@@ -162,46 +169,115 @@ def storage_records(md: Metadata, source: str = "checkpoint") -> Dict[MetadataIn
 
 # ---------------------------------------------------------------------- storage layer
 class RecordingWriter(FileSystemWriter):
-    """``FileSystemWriter`` that remembers this rank's write results (file, offset, length per item)."""
+    """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time.
+
+    DCP 2.13's own loop keeps every copied chunk alive until the rank's file is finished (a second
+    copy of the whole shard in RAM); this one holds one chunk at a time, computes each item's CRC32
+    while writing (no re-read) and fsyncs.  The file format is DCP's: one ``torch.save`` record per
+    item at the offset recorded in ``_StorageInfo``, so stock DCP readers read it.
+    ``written`` lists ``(file, offset, length, crc32)`` per item afterwards.
+    """
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        self.written: List[Tuple[str, int, int]] = []
+        self.written: List[Tuple[str, int, int, int]] = []
 
-    def write_data(self, plan, planner):  # type: ignore[override]
-        fut = super().write_data(plan, planner)
-        self.written = [(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in fut.value()]
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:  # type: ignore[override]
+        name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
+        results, self.written = [], []
+        with open(os.path.join(str(self.path), name), "wb") as f:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise CheckpointError(f"{item.index.fqn}: only tensors are written to checkpoints")
+                tensor = planner.resolve_data(item).detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # torch.save would write the whole underlying storage
+                buf = io.BytesIO()
+                torch.save(tensor, buf)
+                del tensor
+                data = buf.getbuffer()
+                offset = f.tell()
+                f.write(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
+                                           storage_data=_StorageInfo(name, offset, len(data))))
+                self.written.append((name, offset, len(data), zlib.crc32(data)))
+                del data, buf
+            f.flush()
+            os.fsync(f.fileno())
+        fut: Future = Future()
+        fut.set_result(results)
         return fut
 
 
 class _PreloadedReader(FileSystemReader):
-    """``FileSystemReader`` that uses metadata we already loaded safely, and names the file on errors."""
+    """``FileSystemReader`` that uses metadata we already loaded safely and reads each needed item
+    once: checks its length and CRC32, ``torch.load(weights_only=True)``, checks dtype and shape, then
+    copies the requested parts into the targets.  Errors name the file and the tensor."""
 
-    def __init__(self, path: str, metadata: Metadata) -> None:
+    def __init__(self, path: str, metadata: Metadata, crcs: Optional[Dict[Tuple[str, int, int], int]] = None) -> None:
         super().__init__(path)
         self._metadata = metadata
+        self._crcs = crcs
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("rank-local DCP metadata is not supported")
         return self._metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         records = storage_records(self._metadata)
-        by_file: Dict[str, List[ReadItem]] = {}
-        for item in plan.items:
-            by_file.setdefault(records[item.storage_index][0], []).append(item)
-        fut = None
-        for name, items in by_file.items():
-            try:
-                fut = super().read_data(dataclasses.replace(plan, items=items), planner)
-                fut.wait()
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"{os.path.join(str(self.path), name)}: cannot read tensor data "
-                                      f"({type(e).__name__}: {e}); the file is corrupt or truncated") from e
-        return fut if fut is not None else super().read_data(dataclasses.replace(plan, items=[]), planner)
+        by_item: Dict[MetadataIndex, List[ReadItem]] = {}
+        for req in plan.items:
+            by_item.setdefault(req.storage_index, []).append(req)
+        per_file: Dict[str, List[Tuple[int, int, MetadataIndex]]] = {}
+        for sidx in by_item:
+            name, off, length = records[sidx]
+            per_file.setdefault(name, []).append((off, length, sidx))
+        for name, items in per_file.items():
+            path = os.path.join(str(self.path), name)
+            with open(path, "rb") as f:
+                for off, length, sidx in sorted(items, key=lambda t: t[0]):
+                    tensor = self._read_item(f, path, name, off, length, sidx)
+                    for req in by_item[sidx]:
+                        src = tensor
+                        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                            src = src.narrow(dim, o, n)
+                        dst = planner.resolve_tensor(req).detach()
+                        if dst.shape != src.shape:
+                            raise CheckpointError(f"{path}: {sidx.fqn!r} read {tuple(src.shape)} for a target of {tuple(dst.shape)}")
+                        dst.copy_(src)
+                        planner.commit_tensor(req, dst)
+                    del tensor
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, f, path: str, name: str, off: int, length: int, sidx: MetadataIndex) -> torch.Tensor:
+        where = f"{path}: {sidx.fqn!r} at offsets {tuple(sidx.offset or ())}"
+        f.seek(off)
+        data = f.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{where}: only {len(data)} of {length} bytes at byte {off} (truncated file)")
+        if self._crcs is not None:
+            expected = self._crcs.get((name, off, length))
+            if expected is None:
+                raise CheckpointError(f"{where}: no checksum recorded for bytes [{off}, {off + length})")
+            if zlib.crc32(data) != expected:
+                raise CheckpointError(f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{where}: cannot read tensor data ({type(e).__name__}: {e}); the file is corrupt") from None
+        md = self._metadata.state_dict_metadata.get(sidx.fqn)
+        chunk = None
+        if isinstance(md, TensorStorageMetadata) and sidx.index is not None and sidx.index < len(md.chunks):
+            chunk = md.chunks[sidx.index]
+        if not isinstance(tensor, torch.Tensor) or (isinstance(md, TensorStorageMetadata) and tensor.dtype != md.properties.dtype) \
+                or (chunk is not None and tuple(tensor.shape) != tuple(chunk.sizes)):
+            got = f"{type(tensor).__name__} {getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}"
+            raise CheckpointError(f"{where}: holds {got}, the metadata says {getattr(getattr(md, 'properties', None), 'dtype', '?')} "
+                                  f"{tuple(chunk.sizes) if chunk is not None else ''}")
+        return tensor
 
 
 def dcp_save(state_dict: Dict[str, Any], directory: str, planner: SavePlanner,
@@ -217,9 +293,10 @@ def dcp_save(state_dict: Dict[str, Any], directory: str, planner: SavePlanner,
 
 
 def dcp_load(state_dict: Dict[str, Any], directory: str, metadata: Metadata, planner: LoadPlanner,
-             group: Optional[dist.ProcessGroup]) -> None:
-    """Run DCP's load with our planner and the already validated metadata (``group=None``: offline)."""
-    reader = _PreloadedReader(directory, metadata)
+             group: Optional[dist.ProcessGroup], crcs: Optional[Dict[Tuple[str, int, int], int]] = None) -> None:
+    """Run DCP's load with our planner and the already validated metadata (``group=None``: offline);
+    ``crcs`` maps ``(file, offset, length)`` to the CRC32 every item read must have (None: no check)."""
+    reader = _PreloadedReader(directory, metadata, crcs)
     with warnings.catch_warnings(), _reraise_plainly("load", directory):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)

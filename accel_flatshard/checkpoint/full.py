@@ -188,7 +188,11 @@ def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Any:
             sources[name] = name
             problems += _check_tensor(name, sd[name], tuple(buf.shape))
     if strict and missing:
-        problems.insert(0, f"missing keys: {missing}")
+        tied = [k for k in missing if k in index.param_of_key and k not in sources.values()
+                and index.param_of_key[k] in sources]
+        hint = (f" ({tied} share a parameter with a key that is present, as in save_pretrained output; "
+                "pass strict=False to load tied parameters from any of their names)") if tied else ""
+        problems.insert(0, f"missing keys: {missing}{hint}")
     if strict and unexpected:
         problems.insert(0, f"unexpected keys: {unexpected}")
     if problems:

@@ -241,7 +241,7 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
     return torch_state_dict(optimizer, names, state, hyper)
 
 
-def optim_state_dict_from_torch(torch_state_dict_: Dict[str, Any], model: nn.Module,
+def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
                                 optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Convert a plain optimizer's ``state_dict()`` (indices) into the name-keyed full format.
 
@@ -253,11 +253,11 @@ def optim_state_dict_from_torch(torch_state_dict_: Dict[str, Any], model: nn.Mod
     ids = param_names(model)
     index_to_name: Dict[int, str] = {}
     groups = []
-    for saved, group in zip(torch_state_dict_["param_groups"], optimizer.param_groups):
+    for saved, group in zip(torch_osd["param_groups"], optimizer.param_groups):
         if len(saved["params"]) != len(group["params"]):
             raise CheckpointError("the torch optimizer state dict's groups do not match the optimizer's groups")
         fqns = [ids[id(p)] for p in group["params"]]
         index_to_name.update(zip(saved["params"], fqns))
         groups.append({**group_hyperparams(saved), "params": fqns})
-    state = {index_to_name[i]: dict(v) for i, v in torch_state_dict_["state"].items()}
+    state = {index_to_name[i]: dict(v) for i, v in torch_osd["state"].items()}
     return {"state": state, "param_groups": groups}

@@ -88,7 +88,9 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     """Load optimizer state saved by :func:`save_sharded_optimizer` at any world size (collective).
 
     The optimizer must have the same param groups, by parameter name, as the one that saved; its
-    hyperparameters (lr, betas, weight_decay, ...) are restored from the checkpoint.  Example::
+    hyperparameters (lr, betas, weight_decay, ...) are restored from the checkpoint.  Existing state
+    tensors of the right size are filled in place (so the state is not held twice); if reading fails
+    half-way (a corrupt file), model or optimizer state may be partly loaded.  Example::
 
         optimizer = torch.optim.AdamW(groups_by_name(model), lr=1e-3)
         load_sharded_optimizer(model, optimizer, "ckpt/optim")
@@ -98,7 +100,7 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     groups = optimizer_groups(index, optimizer)
     names = [[i.fqn for i in infos] for infos in groups]
     entries: Dict[str, Entry] = {}
-    error: Optional[str] = None
+    error: Optional[Exception] = None
     directory_found, meta, md = directory, {"files": {}}, None
     try:
         directory_found, meta, md = open_checkpoint(directory, "optimizer")
@@ -119,16 +121,15 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
                 if dtype != info.dtype:
                     problems.append(f"{name}: checkpoint dtype {desc['dtype']}, the parameter is {dtype_to_str(info.dtype)}")
                     continue
-                entries[name] = FlatRange(torch.empty(info.piece.length, dtype=dtype, device=info.flat.device),
-                                          info.piece.param_start, info.shape)
+                entries[name] = FlatRange(_target(optimizer, info, desc["key"], dtype), info.piece.param_start, info.shape)
             elif desc["kind"] == "scalar":
                 entries[name] = torch.empty((), dtype=dtype)
             else:
                 problems.append(f"{name}: unknown entry kind {desc['kind']!r}")
         if problems:
-            error = "optimizer checkpoint does not match the optimizer:\n  " + "\n  ".join(problems)
-    except CheckpointError as e:
-        error = str(e)
+            error = CheckpointError("optimizer checkpoint does not match the optimizer:\n  " + "\n  ".join(problems))
+    except Exception as e:  # noqa: BLE001 - raised on every rank by load_entries
+        error = e
     if error is None:
         # zero-element pieces take no part in DCP reads but are still state
         load_set = {k: v for k, v in entries.items() if not (isinstance(v, FlatRange) and v.local.numel() == 0)}
@@ -144,3 +145,13 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
             state.setdefault(fqn, {})[key] = decode_value(value)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in meta["param_groups"]]
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
+
+
+def _target(optimizer: torch.optim.Optimizer, info, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor to load a sharded state entry into: the existing state tensor when it fits (loads in
+    place, no second copy of the optimizer state), else a new one."""
+    current = optimizer.state.get(info.param, {}).get(key)
+    if isinstance(current, torch.Tensor) and current.dtype == dtype and current.numel() == info.piece.length \
+            and current.is_contiguous():
+        return current if current.dim() == 1 else current.view(-1)
+    return torch.empty(info.piece.length, dtype=dtype, device=info.flat.device)

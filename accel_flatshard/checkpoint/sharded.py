@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
@@ -42,6 +43,9 @@ def save_sharded_model(model: nn.Module, directory: str) -> None:
     """
     quiesce(model, "save_sharded_model")
     index = ModelIndex(model)
+    if index.extra and index.world_rank == 0:
+        warnings.warn(f"save_sharded_model: non-tensor state {sorted(index.extra)} is not saved in sharded checkpoints",
+                      stacklevel=2)
     entries: Dict[str, Entry] = {}
     if index.replica_index == 0:
         for name, info in index.params.items():
@@ -77,12 +81,14 @@ def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, ve
     quiesce(model, "load_sharded_model")
     index = ModelIndex(model)
     entries: Dict[str, Entry] = {}
-    error: Optional[str] = None
+    error: Optional[Exception] = None
     directory_found, meta, md = directory, {"files": {}}, None
     try:
         directory_found, meta, md = open_checkpoint(directory, "model")
-        error = _compare(index, meta, strict)
-        if error is None:
+        problem = _compare(index, meta, strict)
+        if problem is not None:
+            error = CheckpointError(problem)
+        else:
             saved = meta["tensors"]
             for name, info in index.params.items():
                 if name in saved and info.numel:
@@ -90,8 +96,8 @@ def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, ve
             for name, buf in index.buffers.items():
                 if name in saved and buf.numel():
                     entries[name] = buf
-    except CheckpointError as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by load_entries
+        error = e
     load_entries(index.group, directory_found, meta, md, entries, verify_checksums, error)
 
 
