@@ -14,8 +14,8 @@ reduce-scatter issue/wait, and the default :data:`NULL_PROFILER` answers with on
     print(prof.summary())
     prof.export_chrome_trace("trace_rank{rank}.json")    # open in https://ui.perfetto.dev
 
-or with ``FLATSHARD_PROFILE=DIR`` in the environment (see :meth:`Profiler.from_env`): every wrapped
-model then profiles itself, prints the table every ``FLATSHARD_PROFILE_EVERY`` (default 10) steps on
+or with ``FLATSHARD_PROFILE=DIR`` in the environment (:meth:`Profiler.from_env`; the wrapper picks it
+up through :func:`profiler_for`): every wrapped model then profiles itself, prints the table every ``FLATSHARD_PROFILE_EVERY`` (default 10) steps on
 rank 0 and writes ``DIR/flatshard_trace_rank{r}.json`` each time.
 
 Per step it records (milliseconds, summed over the step's micro-batches):
@@ -48,7 +48,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["NULL_PROFILER", "Profiler"]
+__all__ = ["NULL_PROFILER", "Profiler", "profiler_for"]
 
 _NULL_CONTEXT = contextlib.nullcontext()
 
@@ -61,8 +61,32 @@ class _NullProfiler:
     def span(self, name: str, label: str = ""):
         return _NULL_CONTEXT
 
+    def attach(self, model: Any, optimizer: Any = None, units: bool = True) -> "_NullProfiler":
+        return self
+
 
 NULL_PROFILER = _NullProfiler()
+_ENV_PROFILER: Optional["Profiler"] = None
+
+
+def profiler_for(profiler: Any = None) -> Any:
+    """What a wrapper should use: ``profiler`` if given, else the process' profiler configured by
+    ``FLATSHARD_PROFILE`` (one per process, shared by every wrapped model), else :data:`NULL_PROFILER`.
+
+    In ``FullyShardedDataParallel.__init__``::
+
+        profiler = profiler_for(profiler)      # before building the Engine; pass it to Engine(...)
+        ...
+        profiler.attach(self)                  # last line: forward/backward (and, from the env, optimizer) hooks
+    """
+    global _ENV_PROFILER
+    if profiler is not None:
+        return profiler
+    if _ENV_PROFILER is None:
+        _ENV_PROFILER = Profiler.from_env()
+        if _ENV_PROFILER is not None:
+            _ENV_PROFILER._from_env = True
+    return _ENV_PROFILER if _ENV_PROFILER is not None else NULL_PROFILER
 
 # (metric key, table label); the order of the table's rows
 _METRICS: Tuple[Tuple[str, str], ...] = (
@@ -137,7 +161,7 @@ class Profiler:
         # raw events of the current step and of the latest finished steps:
         # (name, label, t0_ns, t1_ns, thread index, phase)
         self._events: List[tuple] = []
-        self._trace: Deque[Tuple[int, List[tuple]]] = collections.deque(maxlen=max(1, trace_steps))
+        self._trace: Deque[Tuple[int, int, int, List[tuple]]] = collections.deque(maxlen=max(1, trace_steps))
         self._phase: Optional[str] = None
         self._phase_t0 = 0
         self._backward_open = False
@@ -150,6 +174,7 @@ class Profiler:
         # to wall-clock time so that the traces of several ranks line up when loaded together.
         self._anchor_ns = time.time_ns() - time.perf_counter_ns()
         self._rank: Optional[int] = None
+        self._from_env = False  # set by profiler_for(): then attach() hooks every optimizer by default
         self._atexit = False
         if trace_dir:
             self._register_atexit()
@@ -231,8 +256,11 @@ class Profiler:
         ``optimizer``: hook this optimizer's ``step`` (its end also ends the profiler's step).  Without
         one, call :meth:`step` after each optimizer step, or use ``optimizer="all"`` to hook every
         torch optimizer in the process.  ``units``: also put each wrapped unit's forward in the trace.
-        Calling it again for the same model or optimizer does nothing.
+        Calling it again for the same model or optimizer does nothing.  A profiler made from
+        ``FLATSHARD_PROFILE`` (:func:`profiler_for`) hooks every optimizer unless given one.
         """
+        if optimizer is None and self._from_env:
+            optimizer = "all"
         if id(model) not in self._attached:
             self._attached.add(id(model))
             self._handles.append(model.register_forward_pre_hook(self._on_forward_pre, prepend=True))
@@ -242,9 +270,10 @@ class Profiler:
                     continue
                 self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre(unit.name)))
                 self._handles.append(unit.module.register_forward_hook(self._unit_post(unit.name)))
-        if optimizer is not None and id(optimizer) not in self._attached:
-            self._attached.add(id(optimizer))
-            if optimizer == "all":
+        key = "all" if isinstance(optimizer, str) else id(optimizer)
+        if optimizer is not None and key not in self._attached:
+            self._attached.add(key)
+            if isinstance(optimizer, str):
                 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
                 self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
@@ -325,7 +354,7 @@ class Profiler:
         if self.track_memory:
             record.update(_read_and_reset_peak_memory())
         self.steps.append(record)
-        self._trace.append((self.step_count, events))
+        self._trace.append((self.step_count, start, now, events))
         self.step_count += 1
         if self.print_every and self.step_count % self.print_every == 0:
             if self.rank == 0:
@@ -408,8 +437,10 @@ class Profiler:
         """
         rank = self.rank
         steps = list(self._trace)
-        if self._events:
-            steps.append((self.step_count, list(self._events)))
+        if self._events:  # the unfinished step
+            events = list(self._events)
+            start = self._step_t0 if self._step_t0 is not None else min(e[2] for e in events)
+            steps.append((self.step_count, start, max(e[3] for e in events), events))
         out: List[Dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
@@ -419,15 +450,11 @@ class Profiler:
         us = lambda ns: (ns + self._anchor_ns) / 1e3  # noqa: E731
         lanes: Dict[str, List[int]] = {"all_gather": [], "reduce_scatter": []}
         lane_base = {"all_gather": 1000, "reduce_scatter": 2000}
-        prev_end: Optional[int] = None
-        for step, events in steps:
+        for step, start, end, events in steps:
             if not events:
                 continue
-            start = min(e[2] for e in events) if prev_end is None else min(prev_end, min(e[2] for e in events))
-            end = max(e[3] for e in events)
             out.append({"name": "step", "cat": "step", "ph": "X", "ts": us(start), "dur": (end - start) / 1e3,
                         "pid": rank, "tid": events[0][4], "args": {"step": step}})
-            prev_end = end
             for name, label, t0, t1, tid, phase in events:
                 cat = "comm" if name in _COLLECTIVE_SPANS else "compute"
                 title = f"{name} {label}".strip() if name != "unit_forward" else f"forward {label}"
@@ -444,7 +471,7 @@ class Profiler:
                 out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane_base[kind] + i,
                             "args": {"name": title}})
         return {"traceEvents": out, "displayTimeUnit": "ms",
-                "otherData": {"producer": "accel_flatshard.profiler", "rank": rank, "steps": [s for s, _ in steps]}}
+                "otherData": {"producer": "accel_flatshard.profiler", "rank": rank, "steps": [s[0] for s in steps]}}
 
     def export_chrome_trace(self, path: str) -> str:
         """Write :meth:`chrome_trace` as JSON (``{rank}`` in ``path`` becomes the rank; a directory gets

@@ -1,9 +1,10 @@
 """Side-by-side training-step benchmark: accel_flatshard vs torch FSDP1 / FSDP2 / DDP / no communication.
 
-    .venv/bin/python benchmarks/bench.py                       # llama-40M + gpt2-5M, W=2, CPU (gloo), ~2-3 min
+    .venv/bin/python benchmarks/bench.py            # (make bench) llama-40M + gpt2-5M, W=2, CPU/gloo, ~2.5 min idle
+    .venv/bin/python benchmarks/bench.py --quick    # same rows, 5 timed steps: ~1.5-2 min
     .venv/bin/python benchmarks/bench.py --rows llama-5M,gpt2-40M,llama-150M --steps 6
     .venv/bin/python benchmarks/bench.py --world-size 4        # oversubscribes a 2-core host
-    .venv/bin/python benchmarks/bench.py --ours ours,ours+noreshard,ours+bpre --profile
+    .venv/bin/python benchmarks/bench.py --ours ours,ours+noreshard,ours+proposed --profile --trace-dir traces/
     .venv/bin/python benchmarks/bench.py --device cuda --world-size 1           # one GPU, NCCL
     .venv/bin/python benchmarks/bench.py --device cuda --fake-pg --world-size 8 # emulated W (no real comm)
 
@@ -14,10 +15,14 @@ zero_grad on this rank's part of the global batch; its time is the slowest rank'
 
 * median step time, global tokens/s;
 * ratios vs DDP, vs FSDP2 and vs the no-communication bound (same model, no collectives): the median
-  over steps of the paired per-step ratios;
+  over steps of the paired per-step ratios; against the bound also the median paired difference, i.e.
+  the communication time that is not hidden behind compute;
 * params + grads + optimizer state bytes this rank holds (unique storages; DDP's buckets not counted)
   and the step's peak RSS increase over the RSS before it (CPU; after malloc_trim) or peak
   ``max_memory_allocated`` (CUDA);
+* CPU seconds per step of the busier rank's process (all threads: compute and gloo's) and its paired
+  ratio to DDP's: the work a step costs, which other load on a shared host disturbs much less than
+  wall time (on an idle host with one core per rank, wall time follows it closely);
 * the largest |loss - DDP loss| over the steps (losses averaged over ranks; no-comm trains on local
   data, so it has none).
 
@@ -35,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import sys
@@ -150,9 +156,10 @@ def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, 
         from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
         from accel_flatshard.profiler import Profiler
 
-        kwargs, post = patches.parse_variant(engine)
+        kwargs, post = patches.parse_variant(engine, model)
+        kwargs.setdefault("auto_wrap_policy", transformer_auto_wrap_policy(model))
         prof = Profiler(warmup=args.warmup) if args.profile else None
-        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), profiler=prof, **kwargs)
+        wrapped = FullyShardedDataParallel(model, profiler=prof, **kwargs)
         for fn in post:
             fn(wrapped)
         return Runner(engine, wrapped, prof)
@@ -190,6 +197,8 @@ def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> in
         runner.step(x)
         _sync(device)
         return torch.cuda.max_memory_allocated(device) - before
+    if runner.profiler is not None:
+        runner.profiler.track_memory = False  # it would reset the peak (VmHWM) at the step's end
     _malloc_trim()
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -217,20 +226,24 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     times = {e: [] for e in engines}
     losses = {e: [] for e in engines}
     last: Dict[str, float] = {}
+    cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute + gloo) per step
     for s in range(total):
         x = data[s][rank * args.batch : (rank + 1) * args.batch].to(device)
         k = s % len(runners)
         for r in runners[k:] + runners[:k]:  # rotate the order: no engine always runs first
             _sync(device)
             dist.barrier()
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             loss = r.step(x)
             _sync(device)
             dt = time.perf_counter() - t0
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
             last[r.name] = dt
             if s >= args.warmup:
                 times[r.name].append(dt)
                 losses[r.name].append(loss.float().item())
+                cpu[r.name].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
         if rank == 0 and args.verbose:
             print(f"  [{row}] step {s}{' (warmup)' if s < args.warmup else ''}: "
                   + ", ".join(f"{e}={last[e]*1e3:.0f}ms" for e in engines), flush=True)
@@ -239,7 +252,9 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     lo = torch.tensor([losses[e] for e in engines], dtype=torch.float64)
     mem = torch.tensor([[r.state_bytes(), step_peak_bytes(r, data[0][rank * args.batch : (rank + 1) * args.batch].to(device), device)]
                         for r in runners], dtype=torch.float64)
+    work = torch.tensor([cpu[e] for e in engines], dtype=torch.float64)
     if not fake:
+        dist.all_reduce(work, op=dist.ReduceOp.MAX)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo)
         lo /= world
@@ -254,24 +269,32 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     if rank != 0:
         return None
     return {"row": row, "params": n_params, "engines": engines, "times": t.tolist(), "losses": lo.tolist(),
-            "mem": mem.tolist(), "profiles": profiles}
+            "mem": mem.tolist(), "cpu": work.tolist(), "profiles": profiles}
 
 
 def format_table(results: List[dict], args, world: int, device: torch.device, fake: bool) -> str:
     lines = [
-        "| model | params | engine | step ms (median) | tokens/s | vs DDP | vs FSDP2 | vs no-comm "
+        "| model | params | engine | step ms (median) | tokens/s | vs DDP | vs FSDP2 | vs no-comm (exposed comm) | CPU s/step/rank (vs DDP) "
         "| params+grads+optim MiB/rank | step peak Δ MiB/rank | max abs Δloss vs DDP |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tokens = args.batch * args.seq * world
     for res in results:
         engines, t = res["engines"], res["times"]
         idx = {e: i for i, e in enumerate(engines)}
 
-        def ratio(i: int, ref: str) -> str:
+        def ratio(i: int, ref: str, t=t) -> str:
             if ref not in idx:
                 return "-"
             return f"{statistics.median(a / b for a, b in zip(t[i], t[idx[ref]])):.2f}x"
+
+        cpu = res["cpu"]
+
+        def exposed(i: int) -> str:  # paired step-time difference to the no-communication bound
+            if "nocomm" not in idx:
+                return "-"
+            d = statistics.median(a - b for a, b in zip(t[i], t[idx["nocomm"]]))
+            return f"{ratio(i, 'nocomm')} ({d * 1e3:+.0f} ms)"
 
         for i, e in enumerate(engines):
             med = statistics.median(t[i])
@@ -282,13 +305,14 @@ def format_table(results: List[dict], args, world: int, device: torch.device, fa
             st, peak = res["mem"][i]
             lines.append(
                 f"| {res['row']} | {res['params']/1e6:.1f}M | {e} | {med*1e3:.0f} | {tokens/med:,.0f} | {ratio(i, 'ddp')} "
-                f"| {ratio(i, 'fsdp2')} | {ratio(i, 'nocomm')} | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
+                f"| {ratio(i, 'fsdp2')} | {exposed(i)} | {statistics.median(cpu[i]):.2f} ({ratio(i, 'ddp', cpu)}) | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
             )
     head = (
         f"W={world}{' (fake pg: no real communication)' if fake else ''}, device={device.type}, "
         f"backend={'fake' if fake else ('nccl' if device.type == 'cuda' else 'gloo')}, torch threads/rank={args.threads}, "
         f"per-rank batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warmup, "
-        f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus"
+        f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus; step peak = "
+        + ("max_memory_allocated - allocated before the step" if device.type == "cuda" else "VmHWM - VmRSS before the step")
     )
     return head + "\n\n" + "\n".join(lines)
 
@@ -334,12 +358,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="llama-40M,gpt2-5M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
-    p.add_argument("--ours", default="ours", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
-                   f"(options: {', '.join(patches.OPTIONS)})")
+    p.add_argument("--ours", default="ours,ours+proposed", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+                   f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="5 timed steps after 1 warmup")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cpus // W, >= 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -350,6 +375,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("-v", "--verbose", action="store_true", help="print every step's times")
     args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 5, 1
     args.rows = [r for r in args.rows.split(",") if r]
     args.engines = [e for e in args.engines.split(",") if e]
     args.ours = [e for e in args.ours.split(",") if e]
@@ -363,6 +390,9 @@ def parse_args(argv=None):
         patches.parse_variant(v)  # validates
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here")
+    if args.fake_pg and "ddp" in args.engines:
+        args.engines.remove("ddp")  # DDP's reducer needs its all-reduce future to carry a tensor
+        print("[bench] --fake-pg: DDP left out (its reducer fails on the fake process group)", flush=True)
     if args.world_size is None:
         args.world_size = 1 if args.device == "cuda" else 2
     if args.threads is None:

@@ -15,10 +15,6 @@ import torch.distributed as dist
 
 
 # ---------------------------------------------------------------------- constructor options
-def _kw(**kw):
-    return ("kw", kw)
-
-
 def _bpre():
     from accel_flatshard import BackwardPrefetch
 
@@ -33,10 +29,8 @@ def _bpost():
 
 # ---------------------------------------------------------------------- monkeypatches
 def _peers(group):
-    """(shard-group rank, global rank) of every other member of the shard group."""
-    pg = group.shard_group
-    glob = (lambda r: r) if pg is dist.group.WORLD else (lambda r: dist.get_global_rank(pg, r))
-    return [(r, glob(r)) for r in range(group.shard_size) if r != group.shard_rank]
+    """Shard-group ranks of every other member of the shard group."""
+    return [r for r in range(group.shard_size) if r != group.shard_rank]
 
 
 def patch_ag_p2p(wrapped) -> None:
@@ -52,9 +46,9 @@ def patch_ag_p2p(wrapped) -> None:
         chunks = output.chunk(self.shard_size)
         chunks[self.shard_rank].copy_(shard)
         ops = []
-        for r, g in _peers(self):
-            ops.append(dist.P2POp(dist.isend, shard, g, group=self.shard_group, tag=1))
-            ops.append(dist.P2POp(dist.irecv, chunks[r], g, group=self.shard_group, tag=1))
+        for r in _peers(self):
+            ops.append(dist.P2POp(dist.isend, shard, group=self.shard_group, group_peer=r, tag=1))
+            ops.append(dist.P2POp(dist.irecv, chunks[r], group=self.shard_group, group_peer=r, tag=1))
         work = _Works(dist.batch_isend_irecv(ops))
         if not async_op:
             work.wait()
@@ -78,9 +72,9 @@ def patch_rs_p2p(wrapped) -> None:
         peers = _peers(self)
         tmp = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
         ops = []
-        for i, (r, g) in enumerate(peers):
-            ops.append(dist.P2POp(dist.isend, chunks[r], g, group=self.shard_group, tag=2))
-            ops.append(dist.P2POp(dist.irecv, tmp[i], g, group=self.shard_group, tag=2))
+        for i, r in enumerate(peers):
+            ops.append(dist.P2POp(dist.isend, chunks[r], group=self.shard_group, group_peer=r, tag=2))
+            ops.append(dist.P2POp(dist.irecv, tmp[i], group=self.shard_group, group_peer=r, tag=2))
         own = chunks[self.shard_rank]
 
         def finish():
@@ -112,31 +106,111 @@ class _Works:
         return True
 
 
-OPTIONS: Dict[str, Callable] = {
-    "noreshard": lambda: {"reshard_after_forward": False},
-    "fpre": lambda: {"forward_prefetch": True},
-    "bpre": _bpre,
-    "bpost": _bpost,
-    "limit1": lambda: {"limit_all_gathers": 1},
-    "limit4": lambda: {"limit_all_gathers": 4},
-    "agp2p": patch_ag_p2p,
-    "rsp2p": patch_rs_p2p,
+def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:
+    """engine.Engine.reduce_grad (CPU path): after issuing a reduction, complete the oldest ones so that
+    at most ``max_inflight`` are outstanding; each completed one drops its full-size gradient at once
+    instead of at the end of backward (finish_reduces)."""
+    engine = wrapped._root.engine
+    if engine.use_streams:
+        return
+    original = engine.reduce_grad
+
+    def reduce_grad(self, flat, full_grad, label=""):
+        original(flat, full_grad, label)
+        while len(self._reduces) > max_inflight:
+            r = self._reduces.pop(0)
+            with self.profiler.span("reduce_scatter_wait", r.label):
+                r.handle.wait()
+                self.group.take_reduced_shard(r.shard_out, r.full_grad)
+                self.group.all_reduce_replicas(r.shard_out, async_op=False)
+            r.shard_out.mul_(1.0 / self.group.world_size)
+            r.flat.accumulate_sharded_grad(r.shard_out)
+
+    engine.reduce_grad = types.MethodType(reduce_grad, engine)
+
+
+def patch_adopt_grad(wrapped) -> None:
+    """flat_param.FlatParameter.accumulate_sharded_grad: when no gradient exists yet (after
+    zero_grad(set_to_none=True)) adopt the freshly reduced shard as ``sharded_grad`` instead of
+    allocating zeros and copying into them."""
+    for flat in wrapped.flat_params:
+        original = flat.accumulate_sharded_grad
+
+        def accumulate(self, new_grad, _original=original):
+            if new_grad.dtype == self.dtype and all(p.grad is None for p in self.params):
+                self.sharded_grad = new_grad
+                for p, view in self.grad_views():
+                    p.grad = view
+                return
+            _original(new_grad)
+
+        flat.accumulate_sharded_grad = types.MethodType(accumulate, flat)
+
+
+def patch_keep_last(wrapped) -> None:
+    """unit.Unit: do not reshard the last unit of the forward order after forward (backward starts
+    with it at once, so FSDP2 keeps it too): one all-gather of one block less per step."""
+    units = [u for u in wrapped.units if not u.is_root]
+    if units:
+        units[-1].reshard_after_forward = False
+
+
+def wrap_embeddings(model) -> dict:
+    """wrap.transformer_auto_wrap_policy: also make the input embedding and an untied output head units
+    of their own, so that the head's gradient is reduced right after its backward (it is the first
+    gradient of backward) instead of with the root's at the very end."""
+    import torch.nn as nn
+
+    from accel_flatshard.wrap import block_classes_of
+
+    blocks = tuple(block_classes_of(model))
+    extra = set()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if out is not None and inp is not None and out.weight is not inp.weight:
+        extra.update({id(inp), id(out)})
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else isinstance(module, blocks) or id(module) in extra
+
+    return {"auto_wrap_policy": policy}
+
+
+# name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
+OPTIONS: Dict[str, Tuple[str, Callable]] = {
+    "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
+    "fpre": ("kw", lambda m: {"forward_prefetch": True}),
+    "bpre": ("kw", lambda m: _bpre()),
+    "bpost": ("kw", lambda m: _bpost()),
+    "limit1": ("kw", lambda m: {"limit_all_gathers": 1}),
+    "limit4": ("kw", lambda m: {"limit_all_gathers": 4}),
+    "wrapemb": ("kw", wrap_embeddings),
+    "agp2p": ("post", patch_ag_p2p),
+    "rsp2p": ("post", patch_rs_p2p),
+    "boundrs": ("post", patch_bound_reduces),
+    "adopt": ("post", patch_adopt_grad),
+    "keeplast": ("post", patch_keep_last),
 }
-_KWARG_OPTIONS = {"noreshard", "fpre", "bpre", "bpost", "limit1", "limit4"}
 
 
-def parse_variant(name: str) -> Tuple[dict, List[Callable]]:
-    """``ours+a+b`` -> (constructor kwargs, post-wrap patch functions)."""
+# ``ours+proposed``: every change proposed for the engine (see the report), ZeRO-3 semantics kept
+PROPOSED = ["agp2p", "rsp2p", "boundrs", "adopt", "keeplast", "fpre", "bpre", "wrapemb"]
+
+
+def parse_variant(name: str, model=None) -> Tuple[dict, List[Callable]]:
+    """``ours+a+b`` -> (constructor kwargs, post-wrap patch functions); ``model`` is needed for options
+    that depend on it (validation only when None)."""
     parts = name.split("+")
     if parts[0] != "ours":
         raise ValueError(f"variant {name!r} must start with 'ours'")
     kwargs: dict = {}
     post: List[Callable] = []
-    for opt in parts[1:]:
+    opts = [o for part in parts[1:] for o in (PROPOSED if part == "proposed" else [part])]
+    for opt in opts:
         if opt not in OPTIONS:
             raise ValueError(f"unknown option {opt!r} in {name!r}; choose from {', '.join(OPTIONS)}")
-        if opt in _KWARG_OPTIONS:
-            kwargs.update(OPTIONS[opt]())
-        else:
-            post.append(OPTIONS[opt])
+        kind, fn = OPTIONS[opt]
+        if kind == "post":
+            post.append(fn)
+        elif model is not None:
+            kwargs.update(fn(model))
     return kwargs, post

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.profiler import NULL_PROFILER, Profiler, _in_flight
+import accel_flatshard.profiler as profiler_module
+from accel_flatshard.profiler import NULL_PROFILER, Profiler, _in_flight, profiler_for
 from dist_helpers import spawn
 from models import batches, gpt2
 
@@ -137,7 +138,7 @@ def test_profiling_on_reads_the_clock_twice_per_span(one_rank):
             mock.patch("time.perf_counter_ns", wraps=time.perf_counter_ns) as clock_ns:
         _train(wrapped, optimizer, steps=1)
         prof.step()
-    assert span.call_count > 0 and clock_ns.call_count == 2 * span.call_count
+    assert span.call_count > 0 and clock_ns.call_count == 2 * span.call_count + 1  # + the end of the step
     assert prof.step_count == 1
 
 
@@ -179,6 +180,31 @@ def test_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("FLATSHARD_PROFILE_EVERY", "3")
     prof = Profiler.from_env()
     assert prof.trace_dir == str(tmp_path) and prof.print_every == 3
+
+
+def test_env_profiler_hooks_every_optimizer_and_writes_traces(one_rank, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(profiler_module, "_ENV_PROFILER", None)
+    monkeypatch.delenv("FLATSHARD_PROFILE", raising=False)
+    assert profiler_for(None) is NULL_PROFILER
+    assert NULL_PROFILER.attach(object()) is NULL_PROFILER  # the wrapper may call it unconditionally
+    monkeypatch.setenv("FLATSHARD_PROFILE", str(tmp_path))
+    monkeypatch.setenv("FLATSHARD_PROFILE_EVERY", "2")
+    prof = profiler_for(None)
+    assert isinstance(prof, Profiler) and profiler_for(None) is prof  # one per process
+    given = Profiler()
+    assert profiler_for(given) is given
+    # what FullyShardedDataParallel does with it: pass it to the engine, then attach(self)
+    wrapped = _wrap(prof)
+    prof.attach(wrapped)
+    try:
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)  # built after: global hooks still see it
+        _train(wrapped, optimizer, steps=2)
+    finally:
+        prof.detach()  # global optimizer hooks must not leak into other tests
+    assert prof.step_count == 2
+    assert "accel_flatshard profile, rank 0" in capsys.readouterr().out
+    with open(tmp_path / "flatshard_trace_rank0.json") as f:
+        assert len(_x_events(json.load(f), "step")) == 2
 
 
 def test_in_flight_pairs_issues_with_their_waits():

@@ -1,0 +1,262 @@
+"""CUDA parity and overlap check of accel_flatshard at W=1 (one GPU, NCCL).  Run by gpu_check.sh.
+
+    .venv/bin/python benchmarks/gpu_check.py --out DIR          # on a GPU machine
+    .venv/bin/python benchmarks/gpu_check.py --device cpu       # dry run of the parity part (gloo)
+
+1. Parity (fp32, TF32 off): GPT-2 and Llama, wrapped per block with several engine settings, train
+   AdamW steps next to the plain model; losses and final parameters must agree (W=1: same math).
+2. Mixed precision smoke: bf16 parameters, fp32 reduction: finite losses close to the fp32 run.
+3. Overlap: a larger Llama with forward and backward prefetch; at W=1 there is no real communication,
+   so each all-gather / reduce-scatter is emulated on the engine's side streams by ``--comm-repeat``
+   device copies of the full buffer.  torch.profiler records the kernels; reported: the fraction of
+   side-stream (communication) time that overlaps compute-stream kernels, and the exposed
+   communication = step time with emulated comm - step time without, against the comm time itself.
+Exit status 1 if parity fails or overlap is below --min-overlap.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, transformer_auto_wrap_policy  # noqa: E402
+
+
+def small_model(family: str, seed: int = 0, layers: int = 3, hidden: int = 128, vocab: int = 1024,
+                attn: str = "eager"):
+    """Eager attention by default: deterministic backward, so W=1 parity can be tight."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=512,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation=attn)
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                   num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                                   vocab_size=vocab, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=0)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+
+
+def train(model, data, lr=1e-3):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def wrap(model, **kw):
+    return FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), **kw)
+
+
+SETTINGS = {
+    "default": {},
+    "no-reshard": {"reshard_after_forward": False},
+    "prefetch": {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE},
+    "prefetch-post-limit1": {"backward_prefetch": BackwardPrefetch.BACKWARD_POST, "limit_all_gathers": 1},
+}
+
+
+def parity(device, steps: int, tol: float) -> bool:
+    ok = True
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 1024, (4, 64), generator=g).to(device) for _ in range(steps)]
+    for family in ("gpt2", "llama"):
+        ref = small_model(family).to(device)
+        ref_losses = train(ref, data)
+        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+        for name, kw in SETTINGS.items():
+            wrapped = wrap(small_model(family).to(device), **kw)
+            losses = train(wrapped, data)
+            with wrapped.summon_full_params():
+                pdiff = max((p.detach() - ref_params[n]).abs().max().item() for n, p in wrapped.named_parameters())
+            ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            good = ldiff <= tol and pdiff <= tol
+            ok &= good
+            print(f"  parity {family:5s} {name:22s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
+                  f"{'PASS' if good else 'FAIL'}", flush=True)
+        # mixed precision smoke test: bf16 compute, fp32 reduction and master weights
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        losses = train(wrap(small_model(family).to(device), mixed_precision=mp), data)
+        good = all(l == l and abs(l - r) < 0.05 * abs(r) + 0.05 for l, r in zip(losses, ref_losses))
+        ok &= good
+        print(f"  bf16  {family:5s} losses {[round(l, 4) for l in losses]} vs fp32 {[round(l, 4) for l in ref_losses]} "
+              f"{'PASS' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+def emulate_comm(wrapped, repeat: int) -> None:
+    """W=1: make every gather / reduction cost ``repeat`` full-buffer copies on the engine's side stream."""
+    group = wrapped.shard_group
+
+    def all_gather(self, output, shard, async_op=True):
+        for _ in range(repeat):
+            output.copy_(shard)  # W=1: shard and output have the same size
+        return _done()
+
+    def reduce_scatter(self, output, full, async_op=True):
+        scratch = torch.empty_like(full)
+        for _ in range(repeat):
+            scratch.copy_(full)
+        output.copy_(full[: output.numel()])
+        return _done()
+
+    group.all_gather = types.MethodType(all_gather, group)
+    group.reduce_scatter = types.MethodType(reduce_scatter, group)
+
+
+def _done():
+    from accel_flatshard.comm import DONE
+
+    return DONE
+
+
+def _intervals_union(iv):
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _intersection(u1, u2):
+    i = j = 0
+    total = 0.0
+    while i < len(u1) and j < len(u2):
+        lo, hi = max(u1[i][0], u2[j][0]), min(u1[i][1], u2[j][1])
+        total += max(0.0, hi - lo)
+        if u1[i][1] < u2[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap(device, out_dir: str, repeat: int, steps: int) -> float:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 32000, (8, 512), generator=g).to(device) for _ in range(steps + 2)]
+    base = small_model("llama", layers=8, hidden=1024, vocab=32000, attn="sdpa")
+    kw = {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE}
+    timings = {}
+    for label, rep in (("no comm", 0), ("emulated comm", repeat)):
+        model = wrap(copy.deepcopy(base).to(device), **kw)
+        if rep:
+            emulate_comm(model, rep)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(x):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for x in data[:2]:
+            step(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rep:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for x in data[2:]:
+                    step(x)
+                torch.cuda.synchronize()
+        else:
+            for x in data[2:]:
+                step(x)
+            torch.cuda.synchronize()
+        timings[label] = (time.perf_counter() - t0) / steps
+        del model, opt
+        torch.cuda.empty_cache()
+    path = os.path.join(out_dir, "overlap_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_stream = {}
+    for e in kernels:
+        by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
+    busy = {s: sum(b - a for a, b in _intervals_union(iv)) for s, iv in by_stream.items()}
+    compute_stream = max(busy, key=busy.get)
+    compute = _intervals_union(by_stream[compute_stream])
+    comm = _intervals_union([iv for s, ivs in by_stream.items() if s != compute_stream for iv in ivs])
+    comm_time = sum(b - a for a, b in comm)
+    frac = _intersection(comm, compute) / comm_time if comm_time else 0.0
+    exposed = timings["emulated comm"] - timings["no comm"]
+    print(f"  streams busy (us over {steps} steps): {busy}; compute stream {compute_stream}", flush=True)
+    print(f"  step: no comm {timings['no comm']*1e3:.1f} ms, emulated comm {timings['emulated comm']*1e3:.1f} ms; "
+          f"comm per step {comm_time/steps/1e3:.1f} ms, exposed {exposed*1e3:.1f} ms; "
+          f"overlap of comm with compute kernels {100*frac:.0f}%", flush=True)
+    print(f"  peak max_memory_allocated {torch.cuda.max_memory_allocated()/2**20:.0f} MiB; trace: {path}", flush=True)
+    return frac
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--tol", type=float, default=None, help="parity tolerance (default 1e-4 cuda, 1e-6 cpu)")
+    p.add_argument("--comm-repeat", type=int, default=8)
+    p.add_argument("--min-overlap", type=float, default=0.5)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("CUDA is not available", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=5),
+                            device_id=device if cuda else None)
+    ok = True
+    try:
+        print("[1/2] parity at W=1", flush=True)
+        ok &= parity(device, args.steps, args.tol if args.tol is not None else (1e-4 if cuda else 1e-6))
+        if cuda:
+            print("[2/2] overlap (emulated communication on the side streams)", flush=True)
+            frac = overlap(device, args.out, args.comm_repeat, args.steps)
+            if frac < args.min_overlap:
+                print(f"  FAIL: overlap {frac:.2f} < {args.min_overlap}", flush=True)
+                ok = False
+            else:
+                print("  PASS", flush=True)
+    finally:
+        dist.destroy_process_group()
+    print("gpu_check:", "PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
