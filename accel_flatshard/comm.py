@@ -30,6 +30,19 @@ class _Done:
 
 DONE = _Done()
 
+
+class _Works:
+    """Several work handles as one."""
+
+    def __init__(self, works) -> None:
+        self.works = list(works)
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return True
+
 # torch >= 2.13 names the single-tensor collectives *_single; older versions use *_tensor.
 _all_gather_flat: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -90,6 +103,10 @@ class ShardGroup:
             # Measured on gloo (CPU): all-reduce of 152 MiB 88 ms vs reduce-scatter 165 ms.
             reduce_scatter_via_all_reduce = (env == "1") if env is not None else not self.uses_nccl
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
+        # gloo's all_gather_single stages through a temporary and is slow on large tensors (152 MiB: 262 ms)
+        # while isend/irecv straight into the output slots takes 99 ms (benchmarks/comm_bench.py).
+        env = os.environ.get("FLATSHARD_GLOO_P2P")
+        self.all_gather_via_p2p = (env == "1") if env is not None else (self.uses_gloo and not self.uses_nccl)
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
 
@@ -109,8 +126,27 @@ class ShardGroup:
         if self.shard_size == 1:
             output.copy_(shard)
             return DONE
+        if self.all_gather_via_p2p:
+            work = self._all_gather_p2p(output, shard)
+            if not async_op:
+                work.wait()
+            return work
         work = _all_gather_flat(output, shard, group=self.shard_group, async_op=async_op)
         return work if async_op else DONE
+
+    def _all_gather_p2p(self, output: torch.Tensor, shard: torch.Tensor) -> "_Works":
+        """All-gather as one batch of sends and receives straight into the output's slots.
+
+        Safe to overlap with other batches: every rank posts the same sequence of transfers, and
+        transfers between one pair of ranks with one tag are matched in order."""
+        slots = output.chunk(self.shard_size)
+        slots[self.shard_rank].copy_(shard)
+        ops = []
+        for peer in range(self.shard_size):
+            if peer != self.shard_rank:
+                ops.append(dist.P2POp(dist.isend, shard, group=self.shard_group, group_peer=peer, tag=1))
+                ops.append(dist.P2POp(dist.irecv, slots[peer], group=self.shard_group, group_peer=peer, tag=1))
+        return _Works(dist.batch_isend_irecv(ops))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group; this rank's slice lands in ``output``.

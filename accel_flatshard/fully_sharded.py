@@ -97,6 +97,11 @@ class _RootState:
         if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
             recorded[index + 1].unshard()
 
+    def runs_last_in_forward(self, unit: Unit) -> bool:
+        """Whether ``unit`` is the last non-root unit of the recorded forward order (its backward runs first)."""
+        recorded = self.recorded_order
+        return bool(self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit)
+
     def post_root_forward(self) -> None:
         if self.recorded_order is None or not self._order_ok or len(self._current_order) != len(self.recorded_order):
             self.recorded_order = list(self._current_order)

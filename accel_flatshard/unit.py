@@ -144,8 +144,8 @@ class Unit:
         if torch.is_grad_enabled():
             self._hook_outputs_for_backward(output)
             self.state = UnitState.AWAIT_BACKWARD
-            if self.reshard_after_forward:
-                self.reshard()
+            if self.reshard_after_forward and not self.root.runs_last_in_forward(self):
+                self.reshard()  # (the last unit's backward comes first: keep it, as FSDP2 does)
         else:
             self.state = UnitState.IDLE
             if not self.is_root:

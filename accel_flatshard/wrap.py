@@ -16,10 +16,11 @@ import torch.nn as nn
 Policy = Callable[[nn.Module, bool, int], bool]
 
 
-def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, classes: tuple) -> bool:
+def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, classes: tuple,
+                        module_ids: frozenset = frozenset()) -> bool:
     if recurse:
         return True
-    return isinstance(module, classes)
+    return isinstance(module, classes) or id(module) in module_ids
 
 
 # Containers have no forward of their own (a unit's gather runs in its forward hook) and
@@ -77,19 +78,40 @@ def transformer_auto_wrap_policy(
     ``_no_split_modules``; ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
     ``transformer_auto_wrap_policy([MyBlock])`` gives the classes directly.
 
+    Given a model whose input embedding and output head are *untied* (Llama), both become units too:
+    the head's gradient is then reduced right after its backward (the first of the step) instead of
+    with the root's at the very end (measured: llama-40M step 1.20x -> 0.93x of DDP with the other
+    engine defaults).  Tied ones (GPT-2) stay in the root, which owns the shared weight.
+
     Example::
 
         model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
     """
+    module_ids: frozenset = frozenset()
     if isinstance(model_or_classes, nn.Module):
         classes = block_classes_of(model_or_classes, layer_classes)
+        module_ids = _untied_embedding_ids(model_or_classes)
     else:
         classes = set()
         for c in model_or_classes:
             if isinstance(c, str):
                 raise ValueError(f"class name {c!r} needs the model: transformer_auto_wrap_policy(model, [{c!r}])")
             classes.add(c)
-    return functools.partial(_transformer_policy, classes=tuple(classes))
+    return functools.partial(_transformer_policy, classes=tuple(classes), module_ids=module_ids)
+
+
+def _untied_embedding_ids(model: nn.Module) -> frozenset:
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if not callable(get_in) or not callable(get_out):
+        return frozenset()
+    try:
+        inp, out = get_in(), get_out()
+    except (NotImplementedError, AttributeError):
+        return frozenset()
+    if inp is None or out is None or getattr(out, "weight", None) is getattr(inp, "weight", None):
+        return frozenset()
+    return frozenset({id(inp), id(out)})
 
 
 def size_based_auto_wrap_policy(min_num_params: int = int(1e8)) -> Policy:

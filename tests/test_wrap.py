@@ -16,9 +16,10 @@ def _names(model, policy):
     return [names[id(m)] for m in select_units(model, policy)]
 
 
-def test_transformer_policy_from_no_split_modules_wraps_every_block():
+def test_transformer_policy_from_no_split_modules_wraps_every_block_and_untied_embeddings():
     model = llama(n_layer=3)
-    assert _names(model, transformer_auto_wrap_policy(model)) == ["", "model.layers.0", "model.layers.1", "model.layers.2"]
+    assert _names(model, transformer_auto_wrap_policy(model)) == [
+        "", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "lm_head"]
 
 
 def test_transformer_policy_accepts_names_and_torch_partials():
