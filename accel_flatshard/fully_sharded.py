@@ -23,7 +23,7 @@ from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
-from .profiler import NULL_PROFILER
+from .profiler import profiler_for
 from .unit import BackwardPrefetch, Unit, UnitState
 from .wrap import Policy, select_units
 
@@ -233,7 +233,8 @@ class FullyShardedDataParallel(nn.Module):
         _check_device(device, self.shard_group, module)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
-        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler or NULL_PROFILER)
+        profiler = profiler_for(profiler)  # given one, else FLATSHARD_PROFILE, else the no-op profiler
+        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler)
         self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
@@ -255,6 +256,7 @@ class FullyShardedDataParallel(nn.Module):
             unit_module.__dict__[_UNIT_ATTR] = unit
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
+        profiler.attach(self)
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states) -> FlatParameter:

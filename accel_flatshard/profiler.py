@@ -299,9 +299,9 @@ class Profiler:
             return
         self._end("forward")
         if torch.is_grad_enabled():
-            from torch.utils._pytree import tree_flatten
+            from ._compat import tensors_in
 
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward_start, mode="any")
 
@@ -312,7 +312,8 @@ class Profiler:
         self._begin("backward")
         # Queued from inside backward, so it runs after the engine's own end-of-backward callback
         # (which waits for the reduce-scatters); re-queued once to stay last if that was queued later.
-        queue = torch.autograd.Variable._execution_engine.queue_callback
+        from ._compat import queue_end_of_backward_callback as queue
+
         queue(lambda: queue(self._on_backward_end))
 
     def _on_backward_end(self) -> None:
