@@ -150,3 +150,51 @@ def test_params_grads_and_optimizer_state_are_one_over_w_of_ddp(world_size):
         assert our_bytes <= ddp_bytes / world_size + padding + 64, (our_bytes, ddp_bytes)
         assert our_bytes >= ddp_bytes / world_size * 0.99
         assert not any(unsharded_alive), "no unit may stay gathered after a step"
+
+
+class _Reorderable(Toy):
+    """Runs its blocks in reverse order when ``reverse`` is set (data-dependent control flow)."""
+
+    reverse = False
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in (reversed(self.blocks) if self.reverse else self.blocks):
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def _reorder_steps(model, rank, world_size, record):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for step, x in enumerate(toy_batches(4)):
+        (model.module if hasattr(model, "module") else model).reverse = step == 2
+        local = x.chunk(world_size)[rank]
+        loss = model(local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss, world_size))
+    return losses
+
+
+def _reorder_worker(rank, world_size):
+    import warnings
+    from accel_flatshard import BackwardPrefetch
+
+    wrapped = FullyShardedDataParallel(_Reorderable(tie_blocks=False), auto_wrap_policy=transformer_auto_wrap_policy([Block]),
+                                       forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _reorder_steps(wrapped, rank, world_size, True)
+    messages = [str(w.message) for w in caught if "different order" in str(w.message)]
+    return losses, messages
+
+
+def test_a_changed_unit_order_warns_once_naming_both_orders_and_stays_exact():
+    ref = _reorder_steps(_Reorderable(tie_blocks=False), 0, 1, False)
+    losses, messages = spawn(2, _reorder_worker)[0]
+    assert max(abs(a - b) for a, b in zip(losses, ref)) < TOL
+    assert len(messages) == 1, messages
+    assert "recorded: ['<root>', 'blocks.0', 'blocks.1', 'blocks.2']" in messages[0]
+    assert "'blocks.2'" in messages[0].split("now (so far):")[1]
