@@ -32,15 +32,18 @@ DONE = _Done()
 
 
 class _Works:
-    """Several work handles as one."""
+    """Several work handles (and an optional completion step) as one."""
 
-    def __init__(self, works) -> None:
-        self.works = list(works)
+    def __init__(self, works, then=None) -> None:
+        self.works, self.then = list(works), then
 
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
         self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
 
 # torch >= 2.13 names the single-tensor collectives *_single; older versions use *_tensor.
@@ -98,15 +101,18 @@ class ShardGroup:
                 timeout,
             )
         self.shard_rank = dist.get_rank(self.shard_group)
+        # gloo's all_gather_single / reduce_scatter_single stage through temporaries and are slow on large
+        # tensors (152 MiB: all-gather 262 ms, reduce-scatter 165 ms, all-reduce 88 ms) while isend/irecv
+        # straight into / out of the slots takes 99 ms (benchmarks/comm_bench.py).  On gloo both run as
+        # point-to-point batches; FLATSHARD_GLOO_P2P=0 falls back to the collectives, and then
+        # FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE=1 reduces by all-reduce + slice.
+        env = os.environ.get("FLATSHARD_GLOO_P2P")
+        self.via_p2p = (env == "1") if env is not None else (self.uses_gloo and not self.uses_nccl)
+        self.all_gather_via_p2p = self.via_p2p
         if reduce_scatter_via_all_reduce is None:
             env = os.environ.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
-            # Measured on gloo (CPU): all-reduce of 152 MiB 88 ms vs reduce-scatter 165 ms.
-            reduce_scatter_via_all_reduce = (env == "1") if env is not None else not self.uses_nccl
-        self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
-        # gloo's all_gather_single stages through a temporary and is slow on large tensors (152 MiB: 262 ms)
-        # while isend/irecv straight into the output slots takes 99 ms (benchmarks/comm_bench.py).
-        env = os.environ.get("FLATSHARD_GLOO_P2P")
-        self.all_gather_via_p2p = (env == "1") if env is not None else (self.uses_gloo and not self.uses_nccl)
+            reduce_scatter_via_all_reduce = (env == "1") if env is not None else False
+        self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
 
@@ -148,6 +154,26 @@ class ShardGroup:
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=self.shard_group, group_peer=peer, tag=1))
         return _Works(dist.batch_isend_irecv(ops))
 
+    def _reduce_scatter_p2p(self, output: torch.Tensor, full: torch.Tensor) -> "_Works":
+        """Reduce-scatter as sends of every peer's chunk and receives of theirs copies of ours; ``wait()``
+        sums them into ``output`` (in rank order, so every rank adds in the same order)."""
+        chunks = full.chunk(self.shard_size)
+        peers = [r for r in range(self.shard_size) if r != self.shard_rank]
+        received = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
+        ops = []
+        for i, peer in enumerate(peers):
+            ops.append(dist.P2POp(dist.isend, chunks[peer], group=self.shard_group, group_peer=peer, tag=2))
+            ops.append(dist.P2POp(dist.irecv, received[i], group=self.shard_group, group_peer=peer, tag=2))
+
+        def sum_into_output() -> None:
+            own = chunks[self.shard_rank]
+            parts = [own if r == self.shard_rank else received[peers.index(r)] for r in range(self.shard_size)]
+            output.copy_(parts[0])
+            for part in parts[1:]:
+                output.add_(part)
+
+        return _Works(dist.batch_isend_irecv(ops), then=sum_into_output)
+
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group; this rank's slice lands in ``output``.
 
@@ -158,6 +184,11 @@ class ShardGroup:
         if self.shard_size == 1:
             output.copy_(full)
             return DONE
+        if self.via_p2p:
+            work = self._reduce_scatter_p2p(output, full)
+            if not async_op:
+                work.wait()
+            return work
         if self.reduce_scatter_via_all_reduce:
             work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
         else:

@@ -96,7 +96,12 @@ def test_every_schedule_with_hybrid_sharding_at_w4():
 
 def _sabotaged_run(rank, world_size, fault):
     """Train with a deliberately broken gradient reduction; the parity check must notice."""
+    import os
+
     from accel_flatshard.comm import DONE, ShardGroup
+
+    # sabotage the all-reduce + slice path (patching it is simplest); the check itself is path independent
+    os.environ.update(FLATSHARD_GLOO_P2P="0", FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE="1")
 
     original_reduce, original_take = ShardGroup.reduce_scatter, ShardGroup.take_reduced_shard
     if fault == "not_reduced":

@@ -31,6 +31,7 @@ ENV_VARS: Dict[str, str] = {
     "(default: the mixed-precision dtype, as accelerate's FSDP policy)",
     "FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE": "1 | 0: reduce gradients with all-reduce + slice "
     "(default: 1 on gloo, 0 otherwise; read by accel_flatshard.comm)",
+    "FLATSHARD_GLOO_P2P": "1 | 0: on gloo, all-gather and reduce-scatter by batched isend/irecv (default 1 on gloo)",
     "FLATSHARD_TIMEOUT_S": "timeout in seconds of the shard/replica process groups accel_flatshard creates "
     "(default 1800; read by accel_flatshard.comm)",
     "FLATSHARD_PROFILE": "directory: switch the profiler on and write one Chrome trace per rank there "
