@@ -11,6 +11,7 @@ Calls :func:`accel_flatshard.integrations.accelerate.register` (so the script's
 from __future__ import annotations
 
 import os
+import contextlib
 import runpy
 import sys
 from typing import List, Optional
@@ -40,7 +41,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         _register()
         module = argv[1]
         sys.argv = [module] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        with _shutdown_process_group():
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script = argv[0]
     if not os.path.isfile(script):
@@ -50,7 +52,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.argv = [script] + argv[1:]
     # as `python script.py` does: the script's directory first on sys.path (sibling imports work)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    with _shutdown_process_group():
+        runpy.run_path(script, run_name="__main__")
+
+
+@contextlib.contextmanager
+def _shutdown_process_group():
+    """Destroy the process group when the script ends, normally or by an exception, so that no rank
+    exits with communicators (and gloo's threads) still open."""
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -318,4 +318,10 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # clean shutdown on normal exit and on errors: no rank leaves communicators open
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
