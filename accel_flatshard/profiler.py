@@ -76,7 +76,7 @@ def profiler_for(profiler: Any = None) -> Any:
     In ``FullyShardedDataParallel.__init__``::
 
         profiler = profiler_for(profiler)      # before building the Engine; pass it to Engine(...)
-        ...
+        # (the rest of the constructor)
         profiler.attach(self)                  # last line: forward/backward (and, from the env, optimizer) hooks
     """
     global _ENV_PROFILER

@@ -5,11 +5,11 @@ Format of a full optimizer state dict (what :func:`full_optim_state_dict` return
     {
       "state": {                                  # only parameters that have state
         "transformer.wte.weight": {"step": tensor(5.), "exp_avg": <full-shaped>, "exp_avg_sq": <full-shaped>},
-        ...
+        # (one entry per parameter with state)
       },
       "param_groups": [                           # the optimizer's groups, in order
         {"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.1, ..., "params": ["transformer.wte.weight", ...]},
-        ...
+        # (one dict per param group)
       ],
     }
 
