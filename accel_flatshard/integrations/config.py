@@ -326,8 +326,10 @@ def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, st
     efficient = flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
     sync = flag("FSDP_SYNC_MODULE_STATES")
     saved = environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    # FSDP2 has no sync_module_states (accelerate warns if it is given at all) and never needs a device
+    kwargs = {} if str(environ.get("FSDP_VERSION", "1")).strip() == "2" else {"sync_module_states": False}
     try:
-        plugin = plugin_cls(sync_module_states=False, cpu_ram_efficient_loading=False)
+        plugin = plugin_cls(cpu_ram_efficient_loading=False, **kwargs)
     finally:
         if saved is None:
             environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)

@@ -117,6 +117,7 @@ def main():
         "world_size": training_args.world_size,
         "parallel_mode": str(training_args.parallel_mode),
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "is_fsdp2": bool(getattr(trainer.accelerator, "is_fsdp2", False)),
         "accelerator_class": f"{type(trainer.accelerator).__module__}.{type(trainer.accelerator).__name__}",
         "total_trainable_numel": total_numel,
         "local_trainable_numel": trainer.accelerator.gather_for_metrics([local_numel], use_gather_object=True),
