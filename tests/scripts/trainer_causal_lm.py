@@ -127,9 +127,9 @@ def main():
         "checkpoints": sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
         if os.path.isdir(args.output_dir) else [],
     }
-    if evaluate:
-        result["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+    if evaluate:  # history first: the evaluation below is logged at the last step too
         result["eval_history"] = {str(e["step"]): e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+        result["eval_loss_after"] = trainer.evaluate()["eval_loss"]
     if args.final_dir:
         if trainer.is_fsdp_enabled:
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
