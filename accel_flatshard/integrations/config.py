@@ -215,7 +215,8 @@ def options_from_plugin(
     opts.state_dict_type = sdt_name
 
     offload = getattr(plugin, "cpu_offload", None)
-    if getattr(offload, "offload_params", False):
+    # FSDP1: CPUOffload(offload_params=...); FSDP2: OffloadPolicy() (off) or CPUOffloadPolicy (on)
+    if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":
         raise ValueError("fsdp_offload_params: true is not supported by accel_flatshard; set it to false")
     if getattr(plugin, "ignored_modules", None):
         raise ValueError("fsdp_ignored_modules is not supported by accel_flatshard; remove it from fsdp_config")
