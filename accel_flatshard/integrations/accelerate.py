@@ -1,12 +1,19 @@
 """The Accelerate backend: ``Accelerator``, a drop-in subclass of ``accelerate.Accelerator``.
 
 Use it with a standard accelerate yaml (``distributed_type: FSDP``, ``fsdp_config`` with
-``fsdp_version: 1`` keys); it shards the model with :class:`FullyShardedDataParallel` where accelerate
-would use torch FSDP.  What differs from plain accelerate, and why:
+``fsdp_version: 1`` or ``2`` keys); it shards the model with :class:`FullyShardedDataParallel` where
+accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 
 * On a host without GPUs accelerate silently trains unsharded under an FSDP config (each process
   alone).  Here the process group is gloo over all launched processes and the state is switched to
   ``DistributedType.FSDP`` after accelerate set it up as MULTI_CPU (the only CPU type it knows).
+  :func:`register` makes that CPU state the default for the launched script (``TrainingArguments``
+  sets accelerate's state up before any Accelerator exists); W > 1 launched processes that would
+  still end up unsharded raise instead of training W independent copies.
+* An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1, so
+  accelerate and the Trainer take the FSDP1 code paths this class implements (``is_fsdp2`` is False).
+* The Trainer's checkpoints go through accelerate's free ``save_fsdp_model`` & co., replaced for
+  accel_flatshard models by :mod:`.fsdp_utils_shim`; ``save_state`` uses the same functions.
 * ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
   optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
   through accelerate's own preparation.
@@ -100,7 +107,6 @@ class Accelerator(_BaseAccelerator):
             _refuse_unsharded_launch(self.state)
             return  # a single process without a launcher: nothing to shard
         self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision)
-        self._flatshard_fsdp_version = fsdp_version_requested(self.state.fsdp_plugin)
         normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self._flatshard_options)
         fsdp_utils_shim.install()  # Trainer checkpoints call accelerate's free save/load_fsdp_* functions
         trainer_shim.install()  # the Trainer's weight-decay groups by parameter name
