@@ -146,3 +146,25 @@ def test_accelerates_file_names():
     assert [fsdp_utils_shim.model_dir_name(i) for i in (0, 1)] == ["pytorch_model_fsdp_0", "pytorch_model_fsdp_1"]
     assert [fsdp_utils_shim.optimizer_file_name(i) for i in (0, 1)] == ["optimizer.bin", "optimizer_1.bin"]
     assert [fsdp_utils_shim.optimizer_dir_name(i) for i in (0, 1)] == ["optimizer_0", "optimizer_1"]
+
+
+def test_backend_less_state_is_set_up_again_with_a_warning(clean_env):
+    """A PartialState made without a backend before the Accelerator (W > 1 processes): reset, so that the
+    Accelerator sets it up on the CPU path; the warning says what was read wrongly before."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    partial, full = PartialState._shared_state, AcceleratorState._shared_state
+    saved = (dict(partial), dict(full))
+    try:
+        partial.clear()
+        partial.update(distributed_type=DistributedType.NO, num_processes=1)
+        clean_env.setenv("WORLD_SIZE", "1")
+        acc_mod._reset_state_set_up_without_backend()
+        assert partial["distributed_type"] == DistributedType.NO  # one process: left alone
+        clean_env.setenv("WORLD_SIZE", "2")
+        with pytest.warns(UserWarning, match=r"without a backend.*TrainingArguments.world_size"):
+            acc_mod._reset_state_set_up_without_backend()
+        assert partial == {} and full == {}
+    finally:
+        partial.clear(), full.clear()
+        partial.update(saved[0]), full.update(saved[1])

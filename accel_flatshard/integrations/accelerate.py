@@ -332,6 +332,14 @@ def _reset_state_set_up_without_backend() -> None:
     # the new state takes that process group over, as PartialState does for any existing one.
     shared = PartialState._shared_state
     if shared and shared.get("distributed_type") == DistributedType.NO:
+        warnings.warn(
+            f"accel_flatshard: accelerate's state was set up before this Accelerator without a backend "
+            f"(distributed_type NO although {_launched_world_size()} processes run); setting it up again on "
+            "the CPU path with gloo, sharded. Values read from it before (e.g. TrainingArguments.world_size, "
+            "hence batch and step counts) were for 1 process: run the script with `-m accel_flatshard.run` "
+            "or call accel_flatshard.register() before creating TrainingArguments / PartialState",
+            stacklevel=4,
+        )
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
