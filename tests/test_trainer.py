@@ -183,3 +183,12 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(work):
     assert best_step != STEPS, during  # otherwise loading the best model could not be told apart
     assert abs(run["eval_loss_after"] - during[best_step]) <= LOSS_TOL
     assert abs(run["eval_loss_after"] - during[STEPS]) > 10 * LOSS_TOL
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_ddp(work):
+    """gradient_accumulation_steps=2: the Trainer's accelerator.no_sync path on the sharded model."""
+    ddp = _train(ddp_config(work), work / "ga_ddp", "--gradient_accumulation_steps", "2", ddp=True)
+    ours = _train(CPU_FSDP_YAML, work / "ga_readme", "--gradient_accumulation_steps", "2")
+    _assert_sharded(ours)
+    assert _max_loss_diff(ours, ddp) <= LOSS_TOL
