@@ -274,7 +274,8 @@ def install() -> None:
     names when it loads) are patched in place.
     """
     for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.split(".")[0] in _PATCHED_PACKAGES:
+        # __main__: a script that imported the names itself (accel_flatshard.run registers before it runs)
+        if module is None or not (module_name.split(".")[0] in _PATCHED_PACKAGES or module_name == "__main__"):
             continue
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
