@@ -134,9 +134,9 @@ def test_flags_mixed_precision_and_refusals(fsdp_env, monkeypatch):
         fsdp_env(fsdp_offload_params=True)
 
 
-def test_fsdp_version_2_and_unknown_env(fsdp_env, monkeypatch):
-    with pytest.raises(ValueError, match="fsdp_version 2.*set `fsdp_version: 1`"):
-        fsdp_env(fsdp_version=2)
+def test_unknown_fsdp_version_and_unknown_env(fsdp_env, monkeypatch):
+    with pytest.raises(ValueError, match="fsdp_version 3.*1 and 2"):
+        fsdp_env(fsdp_version=3)
     monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("FLATSHARD_GRUOP_SIZE", "2")
     with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_GROUP_SIZE"):

@@ -20,7 +20,7 @@ def checks(tmp_path_factory):
 
 
 def test_clear_errors(checks):
-    assert "fsdp_version 2" in checks["fsdp_version_2"] and "fsdp_version: 1" in checks["fsdp_version_2"]
+    assert "fsdp_version 3" in checks["fsdp_version_3"] and "1 and 2" in checks["fsdp_version_3"]
     # a misspelt FLATSHARD_* variable lists the known names
     assert "FLATSHARD_GROUPSIZE" in checks["unknown_env"] and "FLATSHARD_GROUP_SIZE" in checks["unknown_env"]
     # a layer class from the yaml that the model lacks: named, with the classes that exist

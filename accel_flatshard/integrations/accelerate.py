@@ -1,12 +1,19 @@
 """The Accelerate backend: ``Accelerator``, a drop-in subclass of ``accelerate.Accelerator``.
 
 Use it with a standard accelerate yaml (``distributed_type: FSDP``, ``fsdp_config`` with
-``fsdp_version: 1`` keys); it shards the model with :class:`FullyShardedDataParallel` where accelerate
-would use torch FSDP.  What differs from plain accelerate, and why:
+``fsdp_version: 1`` or ``2`` keys); it shards the model with :class:`FullyShardedDataParallel` where
+accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 
 * On a host without GPUs accelerate silently trains unsharded under an FSDP config (each process
   alone).  Here the process group is gloo over all launched processes and the state is switched to
   ``DistributedType.FSDP`` after accelerate set it up as MULTI_CPU (the only CPU type it knows).
+  :func:`register` makes that CPU state the default for the launched script (``TrainingArguments``
+  sets accelerate's state up before any Accelerator exists); W > 1 launched processes that would
+  still end up unsharded raise instead of training W independent copies.
+* An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1, so
+  accelerate and the Trainer take the FSDP1 code paths this class implements (``is_fsdp2`` is False).
+* The Trainer's checkpoints go through accelerate's free ``save_fsdp_model`` & co., replaced for
+  accel_flatshard models by :mod:`.fsdp_utils_shim`; ``save_state`` uses the same functions.
 * ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
   optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
   through accelerate's own preparation.
@@ -32,15 +39,15 @@ import accelerate.accelerator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from accelerate.state import PartialState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from ..fully_sharded import FullyShardedDataParallel
 from ..grad_norm import clip_grad_norm_ as _global_clip_grad_norm
-from . import checkpointing
+from . import checkpointing, fsdp_utils_shim, trainer_shim
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
-from .config import fsdp_version_requested, options_from_plugin
+from .config import fsdp_version_requested, normalize_plugin_to_fsdp1, options_from_plugin
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
@@ -92,12 +99,17 @@ class Accelerator(_BaseAccelerator):
                 plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
             params["fsdp_plugin"] = plugin
             params["cpu"] = True
+            _reset_state_set_up_without_backend()
         super().__init__(**params)
         if without_device and not self._switch_to_fsdp(plugin):
             return
         if self.distributed_type != DistributedType.FSDP:
-            return  # e.g. a single process without a launcher: accelerate trains unsharded, so do we
+            _refuse_unsharded_launch(self.state)
+            return  # a single process without a launcher: nothing to shard
         self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision)
+        normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self._flatshard_options)
+        fsdp_utils_shim.install()  # Trainer checkpoints call accelerate's free save/load_fsdp_* functions
+        trainer_shim.install()  # the Trainer's weight-decay groups by parameter name
         self._setup_grad_scaler()
 
     # ------------------------------------------------------------------ setup
@@ -107,10 +119,11 @@ class Accelerator(_BaseAccelerator):
         if state.distributed_type == DistributedType.FSDP:
             return True  # a second Accelerator in the same process: the shared state is switched already
         if state.distributed_type != DistributedType.MULTI_CPU or not dist.is_initialized():
+            _refuse_unsharded_launch(state)
             warnings.warn(
-                "accel_flatshard: an FSDP config was given but the script was not launched on several "
-                f"processes (distributed_type {state.distributed_type}); training unsharded. Use "
-                "`accelerate launch --config_file ... script.py`.",
+                "accel_flatshard: an FSDP config was given but this is a single process (WORLD_SIZE "
+                f"{_launched_world_size()}); nothing to shard, training as one process. To shard, launch "
+                "several: `accelerate launch --config_file ... -m accel_flatshard.run script.py`.",
                 stacklevel=3,
             )
             return False
@@ -296,6 +309,54 @@ class Accelerator(_BaseAccelerator):
 
 
 # ---------------------------------------------------------------------- helpers
+def _launched_world_size() -> int:
+    """How many processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def _reset_state_set_up_without_backend() -> None:
+    """Undo a shared accelerate state that was set up without a backend although W > 1 processes run.
+
+    ``TrainingArguments`` (every Trainer / TRL stack) creates ``PartialState()`` before the Trainer's
+    Accelerator; on a host without CUDA and without ``ACCELERATE_USE_CPU`` accelerate then picks no
+    backend and records ``distributed_type NO``, and each process would train its own full copy.  The
+    state is a shared dict (``TrainingArguments.distributed_state`` sees the same one), so resetting it
+    here lets accelerate set it up again, on the CPU path, with gloo over all launched processes.
+    """
+    if _launched_world_size() <= 1:
+        return
+    # accelerate without a backend has already called init_process_group(backend=None) (gloo on CPU):
+    # the new state takes that process group over, as PartialState does for any existing one.
+    shared = PartialState._shared_state
+    if shared and shared.get("distributed_type") == DistributedType.NO:
+        warnings.warn(
+            f"accel_flatshard: accelerate's state was set up before this Accelerator without a backend "
+            f"(distributed_type NO although {_launched_world_size()} processes run); setting it up again on "
+            "the CPU path with gloo, sharded. Values read from it before (e.g. TrainingArguments.world_size, "
+            "hence batch and step counts) were for 1 process: run the script with `-m accel_flatshard.run` "
+            "or call accel_flatshard.register() before creating TrainingArguments / PartialState",
+            stacklevel=4,
+        )
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _refuse_unsharded_launch(state: Any) -> None:
+    """Several processes were launched under an FSDP config but none is sharding: fail, never train unsharded."""
+    world = _launched_world_size()
+    if world > 1 and not (state.distributed_type == DistributedType.FSDP and state.num_processes == world):
+        raise RuntimeError(
+            f"accel_flatshard: {world} processes were launched with an FSDP config, but accelerate's state is "
+            f"distributed_type {state.distributed_type} with {state.num_processes} process(es): each would "
+            "train an unsharded copy. Something set up accelerate's state before this Accelerator without a "
+            "backend (e.g. PartialState() or TrainingArguments created with a process group already "
+            "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
+            "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs"
+        )
+
+
 def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.nn.parallel import DistributedDataParallel
@@ -382,3 +443,20 @@ def register() -> None:
     """
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
+    _use_cpu_state_for_fsdp_launch()
+    fsdp_utils_shim.install()
+
+
+def _use_cpu_state_for_fsdp_launch() -> None:
+    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default.
+
+    Code that sets up accelerate's state before any Accelerator exists (``TrainingArguments``, hence
+    every Trainer / TRL script) would otherwise get ``distributed_type NO`` and ``world_size`` 1 (no
+    backend without CUDA), and read those values before the Trainer builds its Accelerator.
+    ``ACCELERATE_USE_CPU`` is accelerate's own switch for this (gloo over all processes); this
+    Accelerator takes the same CPU path and then shards.
+    """
+    if not _flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
+        return
+    if _launched_world_size() > 1:
+        os.environ["ACCELERATE_USE_CPU"] = "true"

@@ -3,11 +3,15 @@
 The directory layout is accelerate's for torch FSDP, so tools and habits carry over:
 
 * FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (rank 0 writes, ``torch.save``);
-* SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (every rank writes its shard);
+  a second model/optimizer ``pytorch_model_fsdp_1.bin`` / ``optimizer_1.bin``;
+* SHARDED_STATE_DICT: ``pytorch_model_fsdp_{i}/`` and ``optimizer_{i}/`` (every rank writes its shard);
 * always, through accelerate's own helpers: ``scheduler.bin``, ``scaler.pt``, sampler states,
   ``random_states_{rank}.pkl`` and ``custom_checkpoint_{i}.pkl``.
 
-Model and optimizer go through ``accel_flatshard.checkpoint``; everything else is accelerate's code
+Every accel_flatshard-wrapped model in ``accelerator._models`` is saved (index ``i`` in prepare order) and
+every optimizer (index ``i``, saved against the one model whose parameters it updates), through the same
+functions the Trainer calls (:mod:`.fsdp_utils_shim`: accelerate's ``save_fsdp_model`` & co. for
+accel_flatshard models, backed by ``accel_flatshard.checkpoint``).  Everything else is accelerate's code
 (``save_accelerator_state`` / ``load_accelerator_state`` with empty model and optimizer lists, as its
 FSDP path does), and the order of steps, the hooks and ``automatic_checkpoint_naming`` /
 ``total_limit`` follow ``Accelerator.save_state`` / ``load_state`` of accelerate 1.15.
@@ -18,26 +22,19 @@ import logging
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state
 from accelerate.checkpointing import save_custom_state
-from accelerate.optimizer import AcceleratedOptimizer
+
+from ..fully_sharded import FullyShardedDataParallel
+from . import fsdp_utils_shim
 
 if TYPE_CHECKING:
     from .accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
-
-FULL_MODEL_FILE = "pytorch_model_fsdp{suffix}.bin"  # accelerate's FSDP_MODEL_NAME
-SHARDED_MODEL_DIR = "pytorch_model_fsdp_{index}"
-FULL_OPTIM_FILE = "optimizer{suffix}.bin"  # accelerate's OPTIMIZER_NAME
-SHARDED_OPTIM_DIR = "optimizer_{index}"
-
-
-def _suffix(index: int) -> str:
-    return "" if index == 0 else f"_{index}"
 
 
 def _checkpoint_number(folder: str) -> int:
@@ -86,39 +83,41 @@ def _load_dir(acc: "Accelerator", input_dir: Optional[str]) -> str:
     raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
 
 
-def _plain_optimizer(opt: Any) -> torch.optim.Optimizer:
-    while isinstance(opt, AcceleratedOptimizer):
-        opt = opt.optimizer
-    return opt
+_plain_optimizer = fsdp_utils_shim.plain_optimizer
 
 
-def _state_dict_type(acc: "Accelerator") -> str:
-    # read at call time: scripts switch it (plugin.set_state_dict_type) e.g. for a final FULL save
-    sdt = getattr(acc.state.fsdp_plugin, "state_dict_type", None)
-    return getattr(sdt, "name", None) or str(sdt or acc.flatshard_options.state_dict_type).upper()
+def _wrapped_models(acc: "Accelerator") -> List[FullyShardedDataParallel]:
+    """Every accel_flatshard-wrapped model in ``acc._models``, in prepare order (index ``i`` -> ``_i`` names)."""
+    models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
+    if not models:
+        raise RuntimeError("save_state/load_state: no model was prepared with accel_flatshard")
+    return models
+
+
+def _owner(models: List[FullyShardedDataParallel], opt: Any, index: int) -> FullyShardedDataParallel:
+    """The model whose parameters optimizer ``index`` updates (accelerate pairs them by position)."""
+    params = {id(p) for g in _plain_optimizer(opt).param_groups for p in g["params"]}
+    owners = [m for m in models if any(id(p) in params for p in m.parameters())]
+    if len(owners) != 1:
+        names = [type(m.module).__name__ for m in owners]
+        raise ValueError(
+            f"optimizer {index} updates parameters of {len(owners)} prepared models {names}; save_state under "
+            "accel_flatshard needs each optimizer to belong to exactly one prepared model (make one optimizer "
+            "per model)"
+        )
+    return owners[0]
 
 
 def save_state(acc: "Accelerator", output_dir: Optional[str], safe_serialization: bool = True) -> str:
-    from ..checkpoint import full_optim_state_dict, full_state_dict, save_sharded_model, save_sharded_optimizer
-
     output_dir = _save_dir(acc, output_dir)
     logger.info(f"Saving current state to {output_dir}")
-    sdt = _state_dict_type(acc)
-    model = acc._flatshard_model()
-    if sdt == "SHARDED_STATE_DICT":
-        save_sharded_model(model, os.path.join(output_dir, SHARDED_MODEL_DIR.format(index=0)))
-        for i, opt in enumerate(acc._optimizers):
-            save_sharded_optimizer(model, _plain_optimizer(opt), os.path.join(output_dir, SHARDED_OPTIM_DIR.format(index=i)))
-    else:
-        state = full_state_dict(model, rank0_only=True, cpu_offload=True)
-        if acc.is_main_process:
-            _atomic_torch_save(state, os.path.join(output_dir, FULL_MODEL_FILE.format(suffix="")))
-        del state
-        for i, opt in enumerate(acc._optimizers):
-            osd = full_optim_state_dict(model, _plain_optimizer(opt))  # collective
-            if acc.is_main_process:
-                _atomic_torch_save(osd, os.path.join(output_dir, FULL_OPTIM_FILE.format(suffix=_suffix(i))))
-            del osd
+    plugin = acc.state.fsdp_plugin
+    models = _wrapped_models(acc)
+    # one implementation with the Trainer's path: accelerate's save_fsdp_* names, accel_flatshard's code
+    for i, model in enumerate(models):
+        fsdp_utils_shim.save_fsdp_model(plugin, acc, model, output_dir, model_index=i)
+    for i, opt in enumerate(acc._optimizers):
+        fsdp_utils_shim.save_fsdp_optimizer(plugin, acc, opt, _owner(models, opt, i), output_dir, optimizer_index=i)
 
     # accelerate calls the pre-hooks here, with no weights for FSDP models
     for hook in acc._save_model_state_pre_hook.values():
@@ -140,37 +139,15 @@ def save_state(acc: "Accelerator", output_dir: Optional[str], safe_serialization
 
 def load_state(acc: "Accelerator", input_dir: Optional[str], load_kwargs: Optional[dict] = None,
                **load_model_func_kwargs: Any) -> None:
-    from ..checkpoint import load_full_optim_state_dict, load_full_state_dict, load_sharded_model
-    from ..checkpoint import load_sharded_optimizer
-
     input_dir = _load_dir(acc, input_dir)
     logger.info(f"Loading states from {input_dir}")
-    model = acc._flatshard_model()
-    sharded_dir = os.path.join(input_dir, SHARDED_MODEL_DIR.format(index=0))
-    full_file = os.path.join(input_dir, FULL_MODEL_FILE.format(suffix=""))
-    # The layout on disk decides (a run may switch state_dict_type between save and load).  Rank 0
-    # decides for everyone: FULL files are read by rank 0 only and broadcast, so other nodes need not
-    # see them.
-    layout = [("sharded" if os.path.isdir(sharded_dir) else "full" if os.path.isfile(full_file) else None)
-              if acc.is_main_process else None]
-    if acc.num_processes > 1:
-        torch.distributed.broadcast_object_list(layout, src=0)
-    if layout[0] == "sharded":
-        load_sharded_model(model, sharded_dir)
-        for i, opt in enumerate(acc._optimizers):
-            load_sharded_optimizer(model, _plain_optimizer(opt), os.path.join(input_dir, SHARDED_OPTIM_DIR.format(index=i)))
-    elif layout[0] == "full":
-        main = acc.is_main_process
-        load_full_state_dict(model, torch.load(full_file, map_location="cpu", weights_only=True) if main else None)
-        for i, opt in enumerate(acc._optimizers):
-            path = os.path.join(input_dir, FULL_OPTIM_FILE.format(suffix=_suffix(i)))
-            osd = torch.load(path, map_location="cpu", weights_only=True) if main else None
-            load_full_optim_state_dict(model, _plain_optimizer(opt), osd)
-    else:
-        raise FileNotFoundError(
-            f"{input_dir} holds neither {os.path.basename(sharded_dir)}/ (SHARDED_STATE_DICT) nor "
-            f"{os.path.basename(full_file)} (FULL_STATE_DICT): not a checkpoint written by save_state under FSDP"
-        )
+    plugin = acc.state.fsdp_plugin
+    models = _wrapped_models(acc)
+    # The layout on disk decides (FULL or SHARDED; a run may switch state_dict_type between save and load).
+    for i, model in enumerate(models):
+        fsdp_utils_shim.load_fsdp_model(plugin, acc, model, input_dir, model_index=i)
+    for i, opt in enumerate(acc._optimizers):
+        fsdp_utils_shim.load_fsdp_optimizer(plugin, acc, opt, _owner(models, opt, i), input_dir, optimizer_index=i)
 
     for hook in acc._load_model_state_pre_hook.values():
         hook([], input_dir)  # accelerate passes no models for FSDP
@@ -192,9 +169,3 @@ def load_state(acc: "Accelerator", input_dir: Optional[str], load_kwargs: Option
     for index, obj in enumerate(acc._custom_objects):
         load_custom_state(obj, input_dir, index)
 
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    """Write to a temporary name, then rename: a crash never leaves a truncated checkpoint file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

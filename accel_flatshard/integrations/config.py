@@ -1,4 +1,4 @@
-"""Translate an accelerate FSDP (fsdp_version 1) configuration into accel_flatshard options.
+"""Translate an accelerate FSDP configuration (fsdp_version 1 or 2) into accel_flatshard options.
 
 Accelerate delivers the yaml's ``fsdp_config`` as ``FSDP_*`` environment variables and parses them
 into a ``FullyShardedDataParallelPlugin`` whose fields are torch FSDP objects (``ShardingStrategy``,
@@ -73,12 +73,9 @@ def fsdp_version_requested(plugin: Any, environ: Optional[Mapping[str, str]] = N
 
 
 def check_fsdp_version(version: int) -> None:
-    if version != 1:
-        raise ValueError(
-            f"the accelerate config asks for fsdp_version {version}; accel_flatshard implements the FSDP1 "
-            "configuration surface: set `fsdp_version: 1` in fsdp_config (its keys: fsdp_sharding_strategy, "
-            "fsdp_auto_wrap_policy, fsdp_backward_prefetch, fsdp_state_dict_type, ...)"
-        )
+    if version not in (1, 2):
+        raise ValueError(f"the accelerate config asks for fsdp_version {version}; accelerate knows 1 and 2, and "
+                         "accel_flatshard accepts both (set `fsdp_version: 1` or `2` in fsdp_config)")
 
 
 @dataclass
@@ -144,7 +141,13 @@ def _size_policy_without_containers(min_num_params: int) -> Policy:
 def options_from_plugin(
     plugin: Any, mixed_precision: str = "no", environ: Optional[Mapping[str, str]] = None
 ) -> FlatShardOptions:
-    """Map a ``FullyShardedDataParallelPlugin`` (fsdp_version 1) and ``FLATSHARD_*`` variables to options."""
+    """Map a ``FullyShardedDataParallelPlugin`` (fsdp_version 1 or 2) and ``FLATSHARD_*`` variables to options.
+
+    FSDP2 keys: ``fsdp_reshard_after_forward`` true/false (FULL_SHARD / SHARD_GRAD_OP), the same wrap
+    policy, state dict type (default SHARDED_STATE_DICT), mixed precision, activation checkpointing and
+    ``fsdp_cpu_ram_efficient_loading`` keys as FSDP1; backward prefetch is always on (FSDP2's implicit
+    prefetch).  Options that cannot be honoured raise naming the key (``fsdp_offload_params``, ...).
+    """
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
@@ -155,11 +158,7 @@ def options_from_plugin(
     check_fsdp_version(fsdp_version_requested(plugin, environ))
     opts = FlatShardOptions()
 
-    # accelerate itself prefers sharding_strategy and falls back to reshard_after_forward (FSDP1 semantics)
-    strategy = getattr(plugin, "sharding_strategy", None) or getattr(plugin, "reshard_after_forward", None)
-    if isinstance(strategy, str):
-        strategy = ShardingStrategy[strategy.upper()]
-    strategy = strategy or ShardingStrategy.FULL_SHARD
+    strategy = _sharding_strategy(plugin)
     group_size = _env_int(environ, "FLATSHARD_GROUP_SIZE")
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     opts.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -176,6 +175,10 @@ def options_from_plugin(
         )
 
     prefetch = getattr(plugin, "backward_prefetch", None)
+    if fsdp_version_requested(plugin, environ) == 2:
+        # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses
+        # forward_prefetch); it always prefetches the next unit in backward: the same here.
+        prefetch = TorchPrefetch.BACKWARD_PRE
     if prefetch is not None:
         name = prefetch.name if isinstance(prefetch, (TorchPrefetch, BackwardPrefetch)) else str(prefetch).upper()
         opts.backward_prefetch = None if name == "NO_PREFETCH" else BackwardPrefetch[name]
@@ -212,7 +215,8 @@ def options_from_plugin(
     opts.state_dict_type = sdt_name
 
     offload = getattr(plugin, "cpu_offload", None)
-    if getattr(offload, "offload_params", False):
+    # FSDP1: CPUOffload(offload_params=...); FSDP2: OffloadPolicy() (off) or CPUOffloadPolicy (on)
+    if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":
         raise ValueError("fsdp_offload_params: true is not supported by accel_flatshard; set it to false")
     if getattr(plugin, "ignored_modules", None):
         raise ValueError("fsdp_ignored_modules is not supported by accel_flatshard; remove it from fsdp_config")
@@ -229,6 +233,56 @@ def options_from_plugin(
     if limit is not None:
         opts.limit_all_gathers = limit
     return opts
+
+
+def _sharding_strategy(plugin: Any) -> Any:
+    """torch's ``ShardingStrategy`` the plugin asks for, FSDP1 or FSDP2 style.
+
+    FSDP1: ``sharding_strategy`` (accelerate falls back to ``reshard_after_forward`` holding a strategy
+    name, which is what ``accelerate config`` writes).  FSDP2: ``reshard_after_forward`` is a bool:
+    true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (parameters kept from forward to backward, ZeRO-2).
+    """
+    from torch.distributed.fsdp import ShardingStrategy
+
+    strategy = getattr(plugin, "sharding_strategy", None)
+    if strategy is None:
+        strategy = getattr(plugin, "reshard_after_forward", None)
+    if isinstance(strategy, bool):
+        return ShardingStrategy.FULL_SHARD if strategy else ShardingStrategy.SHARD_GRAD_OP
+    if isinstance(strategy, str):
+        if strategy.isdigit():
+            return ShardingStrategy(int(strategy))
+        return ShardingStrategy[strategy.upper()]
+    return strategy or ShardingStrategy.FULL_SHARD
+
+
+def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
+    """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place.
+
+    After :func:`options_from_plugin` took what it asks for, nothing else reads the plugin to decide how
+    to shard; but accelerate and transformers branch on ``fsdp_version == 2`` (``accelerator.is_fsdp2``)
+    into torch-FSDP2-only code (``fully_shard``, DTensor state dicts, "model and optimizer in one
+    prepare call", FSDP2 grad scaler).  accel_flatshard implements the FSDP1 surface of those calls, so
+    the plugin says version 1 with the strategy that was asked for; everything else (state dict type,
+    wrap policy, mixed precision, activation checkpointing) means the same in both versions.
+    """
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    if options.fsdp_group_size == 1:
+        strategy = ShardingStrategy.NO_SHARD
+    else:
+        strategy = ShardingStrategy.FULL_SHARD if options.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    plugin.fsdp_version = 1
+    plugin.sharding_strategy = strategy
+    plugin.reshard_after_forward = strategy
+    prefetch = options.backward_prefetch
+    plugin.backward_prefetch = None if prefetch is None else TorchPrefetch[prefetch.name]
+    plugin.forward_prefetch = options.forward_prefetch
+    plugin.sync_module_states = options.sync_module_states
+    plugin.use_orig_params = True
 
 
 def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, str]) -> Optional[MixedPrecision]:
@@ -273,8 +327,10 @@ def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, st
     efficient = flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
     sync = flag("FSDP_SYNC_MODULE_STATES")
     saved = environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    # FSDP2 has no sync_module_states (accelerate warns if it is given at all) and never needs a device
+    kwargs = {} if str(environ.get("FSDP_VERSION", "1")).strip() == "2" else {"sync_module_states": False}
     try:
-        plugin = plugin_cls(sync_module_states=False, cpu_ram_efficient_loading=False)
+        plugin = plugin_cls(cpu_ram_efficient_loading=False, **kwargs)
     finally:
         if saved is None:
             environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)

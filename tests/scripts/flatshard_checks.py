@@ -1,6 +1,6 @@
 """Error cases and fp16 loss scaling of accel_flatshard's Accelerator, in one launch.
 
-Launched by tests/test_accelerate_errors.py with a yaml that asks for ``fsdp_version: 2``,
+Launched by tests/test_accelerate_errors.py with a yaml that asks for ``fsdp_version: 2`` (FSDP2 keys),
 ``mixed_precision: fp16`` and a layer class list naming a class GPT-2 does not have.  Each check
 records the error message it got; the main process writes them to ``--output_json``.
 """
@@ -39,10 +39,11 @@ def main():
     args = p.parse_args()
     results = {}
 
-    # 1. the yaml says fsdp_version: 2
+    # 1. the yaml says fsdp_version: 2 (accepted, mapped to accel_flatshard); an unknown version is refused
     assert os.environ.get("FSDP_VERSION") == "2", os.environ.get("FSDP_VERSION")
-    expect_error(results, "fsdp_version_2", Accelerator, ValueError)
-    os.environ["FSDP_VERSION"] = "1"
+    os.environ["FSDP_VERSION"] = "3"
+    expect_error(results, "fsdp_version_3", Accelerator, ValueError)
+    os.environ["FSDP_VERSION"] = "2"
 
     # 2. a misspelt FLATSHARD_* variable
     os.environ["FLATSHARD_GROUPSIZE"] = "2"
