@@ -60,10 +60,11 @@ def rendezvous_timeout_s() -> float:
 
 
 class _FullStateDictHook:
-    """The post-hook on the root module; holds a weak reference to the wrapper and the gloo group."""
+    """The post-hook on the root module; holds the wrapper (the module's parameters stay shards as long as
+    the module lives, so the wrapper that can gather them must live as long) and the gloo group."""
 
     def __init__(self, wrapper: nn.Module) -> None:
-        self._wrapper = weakref.ref(wrapper)
+        self._wrapper = lambda: wrapper
         self.local_depth = 0  # > 0 while an internal caller wants local slices
         group = wrapper.shard_group
         self.world_size = group.world_size
@@ -90,6 +91,12 @@ class _FullStateDictHook:
                 keys = list(module.state_dict(keep_vars=True))
             for key in keys:
                 state_dict.pop(prefix + key, None)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "accel_flatshard: pickling a sharded model (e.g. torch.save(model)) would store this rank's 1-D "
+            "slices of its parameters; save its state dict instead (`state = accelerator.unwrap_model(model)"
+            ".state_dict()` on every rank, `torch.save(state, path)` on the main process) or use save_pretrained")
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_FullStateDictHook":
         # a deep copy of the module is a separate, unsharded-looking model: it must not gather ours
