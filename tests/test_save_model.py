@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from dist_helpers import spawn
-from launch_helpers import CPU_FSDP_YAML, REPO, SCRIPTS, ddp_config, launch
+from accel_flatshard.cli import main as cli_main
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch
 from models import gpt2, llama
 
 HF_SCRIPT = SCRIPTS / "run_clm_no_trainer.py"
@@ -62,15 +62,10 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def _from_pretrained_in_a_clean_process(directory: Path) -> dict:
-    """Load with transformers alone (no accel_flatshard in the process); return the state dict."""
-    out = directory.parent / f"{directory.name}_loaded.pt"
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
-            "assert 'accel_flatshard' not in sys.modules; torch.save(m.state_dict(), sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, str(directory), str(out)], check=True, cwd="/",
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
-    return torch.load(out)
+def _from_pretrained(directory: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
 
 
 def test_example_save_tail_writes_ddps_model(runs):
@@ -82,7 +77,7 @@ def test_example_save_tail_writes_ddps_model(runs):
     assert (ours / "config.json").read_text() == (ddp / "config.json").read_text()
     weights = load_file(ours / "model.safetensors")
     assert _max_diff(weights, load_file(ddp / "model.safetensors")) <= TOL
-    assert _max_diff(_from_pretrained_in_a_clean_process(ours), _from_pretrained_in_a_clean_process(ddp)) <= TOL
+    assert _max_diff(_from_pretrained(ours), _from_pretrained(ddp)) <= TOL
     # training and evaluation were the same too (the saved model is the trained one, not the initial one)
     r_ours, r_ddp = _results(runs["flatshard"]), _results(runs["ddp"])
     assert max(abs(a - b) for a, b in zip(r_ours["losses"], r_ddp["losses"])) < 1e-6
@@ -112,26 +107,23 @@ def test_save_pretrained_on_main_process_only_fails_fast(runs):
     assert _results(runs["ddp"])["main_only"]["error"] is None  # fine under DDP (nothing is sharded)
 
 
-def test_cli_inspect_and_consolidate_a_save_state_dir(runs, tmp_path):
+def test_cli_inspect_and_consolidate_a_save_state_dir(runs, tmp_path, capsys):
     """`accel-flatshard inspect/consolidate` on the directory save_state wrote (pytorch_model_fsdp_0/,
     optimizer_0/, accelerate's files); the checkpoint is of the last step, so it equals the final model."""
     ckpt = runs["flatshard"] / "final" / f"step_{STEPS}"
-    cli = [sys.executable, "-m", "accel_flatshard.cli"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    shown = subprocess.run(cli + ["inspect", str(ckpt)], capture_output=True, text=True, env=env)
-    assert shown.returncode == 0, shown.stderr
+    assert cli_main(["inspect", str(ckpt)]) == 0
+    shown = capsys.readouterr().out
     for expected in ["model pytorch_model_fsdp_0: sharded", "saved at world size 2", "GPT2LMHeadModel",
                      "transformer.h.1.mlp.c_fc.weight", "32x128", "optimizer optimizer_0: sharded", "AdamW",
                      "scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"]:
-        assert expected in shown.stdout, (expected, shown.stdout)
-    as_json = json.loads(subprocess.run(cli + ["inspect", "--json", str(ckpt)], capture_output=True, text=True,
-                                        env=env, check=True).stdout)
+        assert expected in shown, (expected, shown)
+    assert cli_main(["inspect", "--json", str(ckpt)]) == 0
+    as_json = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in as_json["models"]] == ["pytorch_model_fsdp_0"]
     assert [o["name"] for o in as_json["optimizers"]] == ["optimizer_0"]
-    subprocess.run(cli + ["consolidate", str(ckpt), str(tmp_path / "hf")], check=True, env=env, capture_output=True)
+    assert cli_main(["consolidate", str(ckpt), str(tmp_path / "hf")]) == 0
     final = load_file(runs["flatshard"] / "final" / "model.safetensors")
     assert _max_diff(load_file(tmp_path / "hf" / "model.safetensors"), final) == 0
-
 
 # ---------------------------------------------------------------------- state-dict contract (spawned ranks)
 def _contract_worker(rank, world_size, out_dir):
@@ -148,14 +140,22 @@ def _contract_worker(rank, world_size, out_dir):
         with wrapped.summon_full_params():
             if rank == 1:  # inside summon the parameters are full already: no gather, one rank may call it
                 results[f"{name}_summoned_rank1"] = {k: v.clone() for k, v in model.state_dict().items()}
+    results["push"] = _push(rank, os.path.join(out_dir, "uploads"))
     return results
 
 
-def test_unwrapped_state_dict_is_the_full_one_collectively(tmp_path):
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """2 gloo ranks: the state-dict contract on GPT-2 and Llama, then push_to_hub (upload mocked)."""
+    out = tmp_path_factory.mktemp("save_contract")
+    return out, spawn(2, _contract_worker, str(out))
+
+
+def test_unwrapped_state_dict_is_the_full_one_collectively(spawned):
     """unwrapped.state_dict(): the plain model's dict on rank 0, {} elsewhere; the wrapper's state_dict():
     this rank's 1-D slices; inside summon_full_params: full on any rank; save_pretrained on every rank
     writes what the plain model's save_pretrained writes (tied GPT-2 and untied Llama)."""
-    results = spawn(2, _contract_worker, str(tmp_path))
+    tmp_path, results = spawned
     for name, build in (("gpt2", gpt2), ("llama", llama)):
         plain = build(seed=3)
         expected = plain.state_dict()
@@ -170,7 +170,7 @@ def test_unwrapped_state_dict_is_the_full_one_collectively(tmp_path):
                          load_file(tmp_path / f"{name}_plain" / "model.safetensors")) == 0
 
 
-def _push_worker(rank, world_size, upload_dir):
+def _push(rank, upload_dir):
     import shutil
     import types
     from unittest import mock
@@ -181,7 +181,7 @@ def _push_worker(rank, world_size, upload_dir):
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 
     model = gpt2(seed=5)
-    FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))  # noqa: F841
 
     def upload(self, working_dir, repo_id, *args, **kwargs):  # what would go to the Hub
         shutil.copytree(working_dir, os.path.join(upload_dir, f"{repo_id}_rank{rank}"))
@@ -204,10 +204,12 @@ def _push_worker(rank, world_size, upload_dir):
     return error, seconds
 
 
-def test_push_to_hub_uploads_the_full_model_or_fails_fast(tmp_path):
+def test_push_to_hub_uploads_the_full_model_or_fails_fast(spawned):
     """push_to_hub goes through save_pretrained: called on every rank, rank 0 uploads the full model;
     called on the main process only, it raises within 10 s and uploads nothing."""
-    (error, seconds), _ = spawn(2, _push_worker, str(tmp_path))
+    out, results = spawned
+    error, seconds = results[0]["push"]
+    tmp_path = out / "uploads"
     plain = gpt2(seed=5)
     uploaded = load_file(tmp_path / "all_ranks_rank0" / "model.safetensors")
     assert _max_diff(uploaded, {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"}) == 0
