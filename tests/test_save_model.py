@@ -32,7 +32,7 @@ TOL = 1e-5
 
 
 def _script_args(out: Path) -> list:
-    return ["--output_dir", str(out / "final"), "--max_train_steps", str(STEPS), "--checkpointing_steps", str(STEPS),
+    return ["--output_dir", str(out / "final"), "--max_train_steps", str(STEPS), "--checkpointing_steps", str(STEPS // 2),
             "--save_model_dir", str(out / "save_model"), "--torch_save_path", str(out / "state_dict.pt"),
             "--get_state_dict_dir", str(out / "get_state_dict"), "--main_only_dir", str(out / "main_only"),
             "--results_json", str(out / "results.json")]
@@ -73,7 +73,8 @@ def test_example_save_tail_writes_ddps_model(runs):
     every rank, no state_dict=: the same files as DDP's, loadable by from_pretrained, equal values."""
     ours, ddp = runs["flatshard"] / "final", runs["ddp"] / "final"
     assert sorted(os.listdir(ours)) == sorted(os.listdir(ddp)) == sorted(
-        ["all_results.json", "config.json", "generation_config.json", "model.safetensors", f"step_{STEPS}"])
+        ["all_results.json", "config.json", "generation_config.json", "model.safetensors", f"step_{STEPS // 2}",
+         f"step_{STEPS}"])
     assert (ours / "config.json").read_text() == (ddp / "config.json").read_text()
     weights = load_file(ours / "model.safetensors")
     assert _max_diff(weights, load_file(ddp / "model.safetensors")) <= TOL
@@ -124,6 +125,23 @@ def test_cli_inspect_and_consolidate_a_save_state_dir(runs, tmp_path, capsys):
     assert cli_main(["consolidate", str(ckpt), str(tmp_path / "hf")]) == 0
     final = load_file(runs["flatshard"] / "final" / "model.safetensors")
     assert _max_diff(load_file(tmp_path / "hf" / "model.safetensors"), final) == 0
+
+@pytest.mark.slow
+def test_resume_from_checkpoint_then_save_equals_ddp(runs, tmp_path):
+    """--resume_from_checkpoint step_3 (SHARDED save_state of the accel_flatshard run), train steps 4-6,
+    save as the example does: the same model and perplexity as DDP's uninterrupted run."""
+    args = ["--output_dir", str(tmp_path / "final"), "--max_train_steps", str(STEPS),
+            "--resume_from_checkpoint", str(runs["flatshard"] / "final" / f"step_{STEPS // 2}"),
+            "--results_json", str(tmp_path / "results.json")]
+    launch(CPU_FSDP_YAML, HF_SCRIPT, args, via_run=True)
+    ddp = runs["ddp"]
+    resumed = json.loads((tmp_path / "results.json").read_text())
+    assert _max_diff(load_file(tmp_path / "final" / "model.safetensors"),
+                     load_file(ddp / "final" / "model.safetensors")) <= TOL
+    micro_steps_done = (STEPS // 2) * 2  # --gradient_accumulation_steps 2: one loss per micro-batch
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], _results(ddp)["losses"][micro_steps_done:])) < 1e-6
+    assert abs(resumed["perplexity"] - _results(ddp)["perplexity"]) < 1e-4 * _results(ddp)["perplexity"]
+
 
 # ---------------------------------------------------------------------- state-dict contract (spawned ranks)
 def _contract_worker(rank, world_size, out_dir):
