@@ -126,6 +126,31 @@ def test_cli_inspect_and_consolidate_a_save_state_dir(runs, tmp_path, capsys):
     final = load_file(runs["flatshard"] / "final" / "model.safetensors")
     assert _max_diff(load_file(tmp_path / "hf" / "model.safetensors"), final) == 0
 
+def test_get_state_dict_on_main_process_only_fails_fast(spawned):
+    """accelerator.get_state_dict / save_model gather through full_state_dict: one rank alone raises
+    within 10 s with the same advice."""
+    error, seconds = spawned[1][0]["get_state_dict_main_only"]
+    assert error is not None and "on every rank" in error and seconds < 10
+
+
+def _hybrid_worker(rank, world_size):
+    from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+
+    model = llama(seed=4)
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),  # noqa: F841
+                                       fsdp_group_size=2)
+    full = model.state_dict()
+    return full if rank == 0 else len(full)
+
+
+@pytest.mark.slow
+def test_unwrapped_state_dict_with_hybrid_sharding():
+    """HYBRID (W=4, shard groups of 2): rank 0 still gets the plain model's state dict, the others {}."""
+    results = spawn(4, _hybrid_worker)
+    assert _max_diff(results[0], llama(seed=4).state_dict()) == 0
+    assert results[1:] == [0, 0, 0]
+
+
 @pytest.mark.slow
 def test_resume_from_checkpoint_then_save_equals_ddp(runs, tmp_path):
     """--resume_from_checkpoint step_3 (SHARDED save_state of the accel_flatshard run), train steps 4-6,
@@ -159,7 +184,24 @@ def _contract_worker(rank, world_size, out_dir):
             if rank == 1:  # inside summon the parameters are full already: no gather, one rank may call it
                 results[f"{name}_summoned_rank1"] = {k: v.clone() for k, v in model.state_dict().items()}
     results["push"] = _push(rank, os.path.join(out_dir, "uploads"))
+    results["get_state_dict_main_only"] = _main_only_full_state_dict(rank, wrapped)
     return results
+
+
+def _main_only_full_state_dict(rank, wrapped):
+    """What accelerator.get_state_dict / save_model run, called under `if is_main_process:`."""
+    from accel_flatshard.checkpoint import full_state_dict
+
+    error, seconds = None, 0.0
+    if rank == 0:
+        start = time.time()
+        try:
+            full_state_dict(wrapped)
+        except RuntimeError as e:
+            error = str(e)
+        seconds = time.time() - start
+    torch.distributed.barrier()  # the world group still works afterwards
+    return error, seconds
 
 
 @pytest.fixture(scope="module")
