@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import full_state_dict_hook
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
-from . import full_state_dict_hook
 from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
