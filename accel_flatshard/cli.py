@@ -1,11 +1,13 @@
 """``accel-flatshard``: offline tools for sharded checkpoints (no process group, no GPU needed).
 
-Commands::
+Commands (CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by
+``accelerator.save_state``, which holds ``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
 
     accel-flatshard inspect CKPT_DIR [--json]
-        keys, shapes, dtypes, the world size it was saved at, total size
+        keys, shapes, dtypes, the world size it was saved at, total size; for a save_state
+        directory: its model(s), optimizer(s) and accelerate's other files
     accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]
-        sharded model checkpoint -> Hugging Face model.safetensors (or shards + index)
+        model checkpoint -> Hugging Face model.safetensors (or shards + index)
 
 Example::
 
@@ -32,7 +34,10 @@ def _human(n: float) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import read_checkpoint_info
+    from .checkpoint.save_state_dir import is_save_state_dir
 
+    if is_save_state_dir(args.checkpoint):
+        return _inspect_save_state(args)
     info = read_checkpoint_info(args.checkpoint)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -46,11 +51,7 @@ def _inspect(args: argparse.Namespace) -> int:
           f"torch {info.get('torch_version')}, {info.get('saved_at')}")
     print(f"tensors: {len(info['tensors'])}, {_human(info['total_bytes'])} of tensor data, "
           f"{_human(info['file_bytes'])} on disk")
-    rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for name, d in info["tensors"].items()]
-    width = max([len(r[0]) for r in rows] + [4])
-    print(f"{'name':<{width}}  {'shape':<16} {'dtype':<10} kind")
-    for name, shape, dtype, kind in rows:
-        print(f"{name:<{width}}  {shape:<16} {dtype:<10} {kind}")
+    _print_tensors(info["tensors"])
     if info.get("param_groups"):
         for g, group in enumerate(info["param_groups"]):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -58,9 +59,46 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_tensors(tensors: dict, indent: str = "") -> None:
+    rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for name, d in tensors.items()]
+    width = max([len(r[0]) for r in rows] + [4])
+    print(f"{indent}{'name':<{width}}  {'shape':<16} {'dtype':<10} kind")
+    for name, shape, dtype, kind in rows:
+        print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}")
+
+
+def _inspect_save_state(args: argparse.Namespace) -> int:
+    from .checkpoint.save_state_dir import read_save_state_info
+
+    info = read_save_state_info(args.checkpoint)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"accelerator.save_state directory: {info['directory']}")
+    for entry in info["models"] + info["optimizers"]:
+        kind = "model" if entry in info["models"] else "optimizer"
+        layout = ("sharded (SHARDED_STATE_DICT), saved at world size " + str(entry["world_size"])
+                  if entry["layout"] == "sharded" else "full file")
+        source = entry.get("optimizer_class") or entry.get("model_class")
+        print(f"{kind} {entry['name']}: {layout}{f', {source}' if source else ''}, {_human(entry['file_bytes'])} on disk")
+        if "tensors" in entry and kind == "model":
+            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data")
+            _print_tensors(entry["tensors"], indent="  ")
+        elif "tensors" in entry:
+            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data "
+                  f"(`accel-flatshard inspect {entry['path']}` lists them)")
+    print("other files:")
+    for name, size in info["other"].items():
+        print(f"  {name:<32} {_human(size)}")
+    return 0
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
+    from .checkpoint.save_state_dir import consolidate_save_state, is_save_state_dir
 
+    if is_save_state_dir(args.checkpoint):
+        consolidate = consolidate_save_state  # noqa: F811 - the model inside the save_state directory
     files = consolidate(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
                         verify_checksums=not args.no_verify)
     for f in files:
@@ -72,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-flatshard", description="Tools for accel_flatshard checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print keys, shapes, dtypes, saved world size and size of a checkpoint")
-    p.add_argument("checkpoint", help="a directory written by save_sharded_model or save_sharded_optimizer")
+    p.add_argument("checkpoint", help="a directory written by save_sharded_model, save_sharded_optimizer or "
+                   "accelerator.save_state")
     p.add_argument("--json", action="store_true", help="print the information as JSON")
     p.set_defaults(func=_inspect)
     p = sub.add_parser("consolidate", help="sharded model checkpoint -> Hugging Face safetensors")
-    p.add_argument("checkpoint", help="a directory written by save_sharded_model")
+    p.add_argument("checkpoint", help="a directory written by save_sharded_model or accelerator.save_state")
     p.add_argument("out_dir", help="where model.safetensors (or shards and an index) go")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of the input")

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import full_state_dict_hook
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
@@ -257,6 +258,7 @@ class FullyShardedDataParallel(nn.Module):
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
         profiler.attach(self)
+        full_state_dict_hook.install(self)  # the unwrapped model's state_dict() gathers (collective)
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states) -> FlatParameter:
@@ -302,8 +304,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Inside :meth:`summon_full_params`: the plain model's state dict.  Outside: this rank's shards
-        (1-D slices under the original names), to be loaded back at the same world size."""
-        return self.module.state_dict(*args, **kwargs)
+        (1-D slices under the original names), to be loaded back at the same world size.  (The unwrapped
+        model's ``state_dict()`` is the full one, collectively: see ``full_state_dict_hook``.)"""
+        with full_state_dict_hook.local_state_dict(self.module):
+            return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:

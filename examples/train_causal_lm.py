@@ -11,7 +11,11 @@ In the style of Hugging Face's ``run_clm_no_trainer.py``, offline and small by d
 * tokenizer: a byte-level tokenizer built here (no download), or a local tokenizer directory;
 * tokenise, group into blocks, train with gradient accumulation and clipping, evaluate perplexity,
   checkpoint every ``--checkpointing_steps``, resume with ``--resume_from_checkpoint``, and finish with
-  ``save_pretrained`` (model and tokenizer) that ``from_pretrained`` loads without accel_flatshard.
+  ``save_pretrained`` (model and tokenizer) exactly as ``run_clm_no_trainer.py`` does (every rank calls it,
+  no ``state_dict=``: the unwrapped model's ``state_dict()`` gathers the full one);
+* last, a separate process (transformers only: it does not import accel_flatshard, accelerate's
+  launcher environment removed) loads that directory with ``from_pretrained`` and prints its perplexity
+  on the validation text, which equals the in-training evaluation (``--evaluate_saved_model DIR`` alone).
 
 Run (2 CPU processes, really sharded)::
 
@@ -20,10 +24,13 @@ Run (2 CPU processes, really sharded)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import time
 from itertools import chain
 from typing import Dict, List, Optional
@@ -32,11 +39,8 @@ import datasets
 import torch
 import transformers
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-
-from accel_flatshard.integrations.accelerate import Accelerator
 
 logger = get_logger(__name__)
 PRESETS = ("gpt2-tiny", "llama-tiny")
@@ -68,6 +72,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--resume_from_checkpoint", default=None, help="a directory written by --checkpointing_steps, or 'latest'")
     p.add_argument("--with_tracking", action="store_true", help="log metrics with the installed trackers")
     p.add_argument("--report_to", default="all")
+    p.add_argument("--evaluate_saved_model", default=None, metavar="DIR",
+                   help="only evaluate the model and tokenizer saved in DIR (one process, transformers only)")
     return p.parse_args(argv)
 
 
@@ -136,13 +142,14 @@ def build_model(name: str, vocab_size: int, block_size: int) -> transformers.Pre
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def load_blocks(args, accelerator, tokenizer) -> datasets.DatasetDict:
+def load_blocks(args, main_process_first, tokenizer) -> datasets.DatasetDict:
+    """Text -> token blocks; ``main_process_first``: a context manager (accelerate's, or a no-op)."""
     if args.train_file:
         files = {"train": args.train_file}
         if args.validation_file:
             files["validation"] = args.validation_file
     else:
-        with accelerator.main_process_first():
+        with main_process_first():
             files = default_corpus(os.path.join(args.output_dir, "corpus"))
     raw = datasets.load_dataset("text", data_files=files, cache_dir=os.path.join(args.output_dir, "hf_cache"))
     if "validation" not in raw:
@@ -161,7 +168,7 @@ def load_blocks(args, accelerator, tokenizer) -> datasets.DatasetDict:
         result["labels"] = [ids[:] for ids in result["input_ids"]]
         return result
 
-    with accelerator.main_process_first():
+    with main_process_first():
         tokenized = raw.map(tokenize, batched=True, remove_columns=["text"], desc="tokenize")
         blocks = tokenized.map(group_texts, batched=True, desc=f"group into blocks of {args.block_size}")
     if args.max_eval_samples:
@@ -183,8 +190,54 @@ def evaluate(model, loader, accelerator) -> Dict[str, float]:
     return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))}
 
 
+def perplexity_of_saved_model(args: argparse.Namespace) -> float:
+    """Load ``args.evaluate_saved_model`` with ``from_pretrained`` (transformers alone, one process) and
+    evaluate it on the validation blocks exactly as :func:`evaluate` does during training."""
+    directory = args.evaluate_saved_model
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    blocks = load_blocks(args, contextlib.nullcontext, tokenizer)["validation"]
+    blocks.set_format("torch")
+    losses = []
+    with torch.no_grad():
+        for batch in DataLoader(blocks, batch_size=args.per_device_eval_batch_size):
+            losses.append(model(**batch).loss.repeat(batch["input_ids"].shape[0]))
+    return math.exp(min(torch.cat(losses).mean().item(), 50.0))
+
+
+def check_saved_model_in_a_clean_process(directory: str, argv: List[str], in_training: float) -> None:
+    """Run this script with ``--evaluate_saved_model`` in a fresh process without the launcher's
+    distributed environment; print both perplexities and fail if they differ."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith(("ACCELERATE_", "FSDP_", "TORCHELASTIC_"))}
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--evaluate_saved_model", directory]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"evaluating the saved model failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    reloaded = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"from_pretrained({directory!r}) in a clean process (accel_flatshard imported: "
+          f"{reloaded['accel_flatshard_imported']}): perplexity {reloaded['perplexity']:.4f}; "
+          f"in training: {in_training:.4f}")
+    if abs(reloaded["perplexity"] - in_training) > 1e-4 * in_training:
+        raise SystemExit(f"the saved model's perplexity {reloaded['perplexity']} differs from the in-training "
+                         f"evaluation {in_training}: the saved file is not the trained model")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.evaluate_saved_model:
+        perplexity = perplexity_of_saved_model(args)
+        print(json.dumps({"perplexity": perplexity, "accel_flatshard_imported": "accel_flatshard" in sys.modules}))
+        return
+    train(args, sys.argv[1:] if argv is None else argv)
+
+
+def train(args: argparse.Namespace, argv: List[str]) -> None:
+    from accelerate.utils import set_seed
+
+    from accel_flatshard.integrations.accelerate import Accelerator
+
     kwargs = {"log_with": args.report_to, "project_dir": args.output_dir} if args.with_tracking else {}
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **kwargs)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.WARNING)
@@ -204,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_name) if args.tokenizer_name else byte_tokenizer()
     model = build_model(args.model_name_or_path, len(tokenizer), args.block_size)
-    blocks = load_blocks(args, accelerator, tokenizer)
+    blocks = load_blocks(args, accelerator.main_process_first, tokenizer)
     blocks.set_format("torch")
     train_loader = DataLoader(blocks["train"], shuffle=True, batch_size=args.per_device_train_batch_size)
     eval_loader = DataLoader(blocks["validation"], batch_size=args.per_device_eval_batch_size)
@@ -304,14 +357,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     accelerator.wait_for_everyone()
     final_dir = os.path.join(args.output_dir, "final")
     unwrapped = accelerator.unwrap_model(model)
-    # the prepared model's parameters are shards: hand save_pretrained the gathered full state dict
+    # as run_clm_no_trainer.py: every rank calls it (the full state dict is gathered collectively)
     unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+                              save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final_dir)
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump({**metrics, "train_history": history, "train_seconds": time.time() - start}, f, indent=1)
     accelerator.print(f"saved {type(unwrapped).__name__} and tokenizer to {final_dir} ({time.time() - start:.0f}s)")
+    if accelerator.is_main_process and metrics:
+        check_saved_model_in_a_clean_process(final_dir, argv, metrics["perplexity"])
     accelerator.wait_for_everyone()
     if args.with_tracking:
         accelerator.end_training()  # last: it also destroys the process group

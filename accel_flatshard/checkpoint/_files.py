@@ -97,8 +97,14 @@ def resolve_checkpoint_dir(path: str) -> str:
     if os.path.isfile(os.path.join(path, META_FILE)):
         return path
     if os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a complete accel_flatshard checkpoint ({META_FILE} is missing; "
-                              "a save may have been interrupted, or this is not a sharded checkpoint)")
+        names = sorted(os.listdir(path))
+        held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
+        if any(n.endswith(".safetensors") for n in names) and "config.json" in names:
+            kind = "a Hugging Face model directory: load it with from_pretrained"
+        else:
+            kind = "a save may have been interrupted, or this is not a sharded checkpoint"
+        raise CheckpointError(f"{path}: not a complete accel_flatshard checkpoint ({META_FILE} is missing; it holds "
+                              f"{held}: {kind})")
     leftovers = sorted(d for d in glob.glob(glob.escape(path) + ".old-*") if os.path.isfile(os.path.join(d, META_FILE)))
     if leftovers:
         warnings.warn(f"{path} is missing but a complete previous checkpoint is at {leftovers[-1]} "

@@ -60,7 +60,11 @@ class ModelIndex:
         self.buffers: Dict[str, torch.Tensor] = {}
         self.extra: Dict[str, Any] = {}
         self.keys: List[str] = []
-        for key, value in self.module.state_dict(keep_vars=True).items():
+        from ..full_state_dict_hook import local_state_dict
+
+        with local_state_dict(self.module):
+            local = self.module.state_dict(keep_vars=True)
+        for key, value in local.items():
             self.keys.append(key)
             if isinstance(value, nn.Parameter) and id(value) in by_id:
                 names.setdefault(id(value), []).append(key)

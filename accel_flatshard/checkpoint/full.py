@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..full_state_dict_hook import local_state_dict, require_all_ranks
 from ._files import CheckpointError
 from ._index import ModelIndex, agree_on_error, quiesce
 
@@ -43,6 +44,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
             torch.save(sd, "model.pt")
     """
     quiesce(model, "full_state_dict")
+    require_all_ranks(model, "gathering the full state dict")  # a main-process-only call fails fast
     index = ModelIndex(model)
     group = index.group
     receives = not rank0_only or group.world_rank == 0
@@ -60,7 +62,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
     if not receives:
         return {}
     out: Dict[str, Any] = {}
-    for key, value in model.module.state_dict(keep_vars=True).items():
+    with local_state_dict(model.module):
+        local = model.module.state_dict(keep_vars=True)
+    for key, value in local.items():
         if isinstance(value, nn.Parameter) and id(value) in full_of:
             out[key] = full_of[id(value)]
         elif isinstance(value, torch.Tensor):

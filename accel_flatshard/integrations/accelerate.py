@@ -256,8 +256,10 @@ class Accelerator(_BaseAccelerator):
             torch._foreach_clamp_max_(grads, clip_value)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
-        """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded:
-        pass ``state_dict=accelerator.get_state_dict(model)`` to ``save_pretrained``."""
+        """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded, but
+        its ``state_dict()`` gathers the full one (collective: call on every rank; rank 0 gets it, the
+        others ``{}``), so ``save_pretrained(dir, is_main_process=...)`` on every rank writes the full
+        model; called on the main process only it fails within seconds (see ``full_state_dict_hook``)."""
         if isinstance(model, FullyShardedDataParallel):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)

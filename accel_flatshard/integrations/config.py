@@ -34,6 +34,8 @@ ENV_VARS: Dict[str, str] = {
     "FLATSHARD_GLOO_P2P": "1 | 0: on gloo, all-gather and reduce-scatter by batched isend/irecv (default 1 on gloo)",
     "FLATSHARD_TIMEOUT_S": "timeout in seconds of the shard/replica process groups accel_flatshard creates "
     "(default 1800; read by accel_flatshard.comm)",
+    "FLATSHARD_STATE_DICT_TIMEOUT_S": "seconds rank 0 waits for the other ranks when the unwrapped model's "
+    "state_dict() / get_state_dict / save_model gathers (collective) before failing (default 5)",
     "FLATSHARD_PROFILE": "directory: switch the profiler on and write one Chrome trace per rank there "
     "(1: the table only)",
     "FLATSHARD_PROFILE_EVERY": "with FLATSHARD_PROFILE: print the profiler table every N steps (default 10)",
