@@ -147,6 +147,7 @@ class FlatParameter:
         world_size: int,
         compute_dtype: Optional[torch.dtype] = None,
         alignment: int = DEFAULT_ALIGNMENT,
+        device: Optional[torch.device] = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParameter needs at least one parameter")
@@ -157,7 +158,9 @@ class FlatParameter:
         self.params = list(params)
         self.users = [list(u) for u in users]
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        # ``device``: where the shard lives when the parameters are elsewhere (a CPU model wrapped for CUDA:
+        # each unit is copied straight into its device buffer, never moved whole)
+        self.device = torch.device(device) if device is not None else params[0].device
         self.compute_dtype = compute_dtype or self.dtype
         self.requires_grad = params[0].requires_grad
         self.rank = rank
