@@ -72,6 +72,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.state = UnitState.IDLE
         self._grads_arrived = 0  # trainable flat params whose gradient arrived in this backward
+        self._open_backward_uses = 0  # calls whose backward started and (frozen units) has not ended
         self._views_installed = False
         self._installed_by_recompute = False
         self._handles = [
@@ -173,12 +174,14 @@ class Unit:
         return args, kwargs
 
     def _post_backward_frozen(self, grads: Any) -> None:
-        if self.state != UnitState.BACKWARD:
-            return  # the hook of an older forward whose backward this is not
+        self._open_backward_uses -= 1
+        if self.state != UnitState.BACKWARD or self._open_backward_uses > 0:
+            return  # another call of this unit (same forward, or an earlier one) still runs backward
         self._end_unit_backward()
 
     def _pre_backward(self, grad: Optional[torch.Tensor]) -> None:
         self.root.on_backward_start()
+        self._open_backward_uses += 1  # (counted for frozen units: closed by _post_backward_frozen)
         if self.state == UnitState.BACKWARD and self.is_unsharded():
             return  # a second output (or a second forward's output) of the same backward
         # (a frozen unit called twice is resharded after each use's backward: gather it again)
@@ -223,6 +226,7 @@ class Unit:
         self.reshard()
         self.state = UnitState.IDLE
         self._grads_arrived = 0
+        self._open_backward_uses = 0
 
     def remove_hooks(self) -> None:
         for h in self._handles:
