@@ -341,11 +341,11 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     return ok
 
 
-def nccl_parity(steps: int, tol: float) -> bool:
+def nccl_parity(steps: int, tol: float, cuda: bool = True) -> bool:
     """Under torchrun with W >= 2 GPUs: every rank trains its slice; losses and parameters must match a
     single-process run on the global batch (computed on every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 1024, (2 * world, 64), generator=g) for _ in range(steps)]
     ok = True
@@ -400,7 +400,7 @@ def main() -> int:
     if args.part == "nccl":  # launched by torchrun
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
         try:
-            ok = nccl_parity(args.steps, tol)
+            ok = nccl_parity(args.steps, args.tol if args.tol is not None else 1e-4, cuda)  # W>=2: other summation order
         finally:
             dist.destroy_process_group()
         print("gpu_check nccl:", "PASS" if ok else "FAIL", flush=True)
