@@ -116,10 +116,13 @@ class _LiveBytesOn(TorchDispatchMode):
         return out
 
 
-def test_wrapping_a_host_model_for_a_device_holds_one_unit_unsharded_there():
-    """Defect 2: prepare() moved the whole model to the GPU before sharding.  The wrapper copies each
-    unit into its device buffer while sharding it: the device's peak is the shards plus one unit."""
-    model = llama(n_layer=4, hidden=64)
+@pytest.mark.parametrize("source", ["cpu", "meta"])
+def test_wrapping_for_a_device_holds_one_unit_unsharded_there(source):
+    """Defect 2: prepare() moved the whole model to the GPU before sharding.  The wrapper copies (CPU) or
+    materialises (meta) each unit into its device buffer while sharding it: the device's peak is the
+    shards plus one unit."""
+    with torch.device(source):
+        model = llama(n_layer=4, hidden=64)
     with _LiveBytesOn("meta") as device_bytes:
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([_llama_layer()]),
                                            device_id=torch.device("meta"))
