@@ -13,7 +13,8 @@ it owns.  Its transitions, each one small method below::
   ``reshard_after_forward=False``).
 * pre_backward (first gradient reaching an output): gather again, prefetch the previous unit.
 * post_backward (per flat parameter, once its full gradient is accumulated): start the reduction,
-  reshard, optionally prefetch.
+  reshard, optionally prefetch.  A unit without trainable parameters has no gradient to wait for: a
+  hook on its inputs' gradients reshards it once the backward of its last call is over.
 
 A forward that runs while the model is in backward is an activation-checkpointing recomputation: it
 finds the unit unsharded (gathering if needed) and neither hooks outputs nor reshards.
