@@ -205,3 +205,41 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
     assert replica_stream is not engine.reduce_scatter_stream
     assert replica_stream.priority == HIGH_PRIORITY
     assert ("wait_event", replica_stream.name, engine.reduce_scatter_stream.name) in sim.log
+
+
+def _simulated_w2_worker(rank, world_size, group_size):
+    with simulate_cuda() as sim:
+        model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([_layer_class()]),
+                                         fsdp_group_size=group_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches(2, batch=4):
+        local = x.chunk(world_size)[rank]
+        loss = model(input_ids=local, labels=local).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return losses, sim.violations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [None, 1])
+def test_simulated_cuda_schedule_at_w2_matches_the_single_process_run(group_size):
+    """Real gloo collectives issued the CUDA way (on side streams, completion by events), sharded and hybrid."""
+    from dist_helpers import spawn
+
+    reference = llama(n_layer=3)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = []
+    for x in batches(2, batch=4):
+        loss = reference(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for losses, violations in spawn(2, _simulated_w2_worker, group_size):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert violations == []
