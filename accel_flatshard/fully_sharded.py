@@ -481,7 +481,8 @@ def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.dev
     if device_id is not None:
         return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
     device = _module_device(module)
-    if device.type in ("meta", "cpu") and group.uses_nccl and not group.uses_gloo:
+    if device.type in ("meta", "cpu") and group.uses_nccl and torch.cuda.is_available():
+        # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
         return torch.device("cuda", torch.cuda.current_device())
     if device.type == "meta":
         return materialization_device(group.uses_nccl)
