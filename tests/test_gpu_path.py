@@ -132,3 +132,20 @@ def test_wrapping_for_a_device_holds_one_unit_unsharded_there(source):
     assert all(p.device.type == "meta" for p in wrapped.parameters())
     assert shards == pytest.approx(model_bytes, rel=0.01)  # W = 1: the shards are the whole model
     assert device_bytes.peak - shards <= max(unit_bytes)
+
+
+@pytest.mark.parametrize("source", ["cpu", "meta"])
+def test_prepare_leaves_placement_to_the_wrapper(source):
+    """Defect 2, accelerate side: prepare() upcasts where the model is and does not move (or materialise)
+    it whole on the GPU; the wrapper then places it unit by unit (test above)."""
+    from types import SimpleNamespace
+
+    from accel_flatshard.integrations.accelerate import Accelerator
+
+    accelerator = SimpleNamespace(device=torch.device("cuda", 0), state=SimpleNamespace(mixed_precision="bf16"),
+                                  _flatshard_options=SimpleNamespace(sync_module_states=True))
+    with torch.device(source):
+        model = Toy().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="upcasting"):
+        Accelerator._materialize_and_place(accelerator, model)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {(source, torch.float32)}
