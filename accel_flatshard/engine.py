@@ -1,52 +1,57 @@
-"""The stream engine: when collectives start, on which stream, and what waits for them.
+"""The schedule's mechanics: when collectives start, on which stream, what waits for them, when buffers die.
 
-One engine serves every unit of a wrapped model.  It owns the schedule's *mechanics*; the unit
-state machine (``fully_sharded.py``) decides *which* unit to gather or reduce and when.
+One engine serves every unit of a wrapped model; the unit state machine (``fully_sharded.py``,
+``unit.py``) decides *which* unit to gather or reduce and when.  The engine is written once, against a
+device adapter (``streams.py``): CUDA streams and events with NCCL, gloo work handles on CPU, or the
+simulator the tests use.  Its bookkeeping, the same on every device:
 
-* CUDA: one all-gather stream and one reduce-scatter stream shared by all units.  A gather runs on
-  the all-gather stream and records an event that the compute stream waits on before the unit runs;
-  a freed buffer is ``record_stream``-ed on the compute stream first so the caching allocator does not
-  hand its memory to the next gather while kernels still read it.  Gradient reduction runs on the
-  reduce-scatter stream after it waits for the gradient's producer.
-* CPU (gloo): the same calls with ``async_op=True``; the returned work handles play the role of
-  events, and gloo's worker threads overlap them with compute.
-* At most ``max_inflight_all_gathers`` gathers are outstanding; issuing another first waits for the
-  oldest, which bounds memory when prefetch runs ahead.
+* All-gathers run on the all-gather stream; the compute stream waits on the gather's event (CUDA) or
+  the host on its work handle (gloo) before the unit reads its parameters.  At most
+  ``limit_all_gathers`` gathers are in flight, and on CUDA at most that many freed buffers are still
+  awaiting the compute stream: a reshard records a *free event* and the host synchronises on the oldest
+  one before issuing more gathers (as torch FSDP1 does), so the host cannot run a whole forward ahead and
+  reserve a gathered copy of every unit.
+* A full gradient is reduce-scattered on the reduce-scatter stream.  At most ``max_pending_reductions``
+  full gradients are kept: issuing one more first completes the oldest (the compute stream waits for it,
+  or the host on gloo) and drops it.  Full gradients are produced on the compute stream and dropped only
+  after the compute stream waited for their reduction, so the allocator may reuse them at once (FSDP2's
+  scheme; no ``record_stream``, no growth).
+* Gradients are divided by ``f`` before the sum and by ``W / f`` after (FSDP1's pre/post divide), so W
+  loss-scaled fp16 gradients do not overflow in the sum.
+* Hybrid sharding: the all-reduce across replicas runs on its own stream, chained to the reduce-scatter's
+  event, so it does not serialise the next unit's reduce-scatter (CUDA); on gloo it starts once the
+  reduce-scatter's result is on the host.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 
-from .comm import DONE, ShardGroup
+from .comm import ShardGroup
 from .flat_param import FlatParameter
 from .profiler import NULL_PROFILER
-
-
-class _EventHandle:
-    """CUDA: make the current stream wait for work recorded on a side stream."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
+from .streams import streams_for
 
 
 @dataclass
 class _PendingReduce:
     flat: FlatParameter
-    handle: object
-    full_grad: torch.Tensor  # kept alive until the collective finished
+    reduced: Any  # completion of the reduce-scatter (event wait or work handle)
+    full_grad: Optional[torch.Tensor]  # kept alive until its reduction is complete
     shard_out: torch.Tensor
     label: str
+    replicas: Any = None  # completion of the replica all-reduce (hybrid sharding)
+
+
+def gradient_predivide_factor(world_size: int) -> int:
+    """torch FSDP1's split of the 1/W average: divide by this before the sum, by W / it after."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return factor
 
 
 class Engine:
@@ -60,28 +65,34 @@ class Engine:
         max_inflight_all_gathers: int = 2,
         profiler=NULL_PROFILER,
         max_pending_reductions: int = 2,
+        streams: Any = None,
     ) -> None:
         self.group = group
         self.device = device
-        self.use_streams = device.type == "cuda"
+        self.streams = streams if streams is not None else streams_for(device)
+        self.use_streams = self.streams.stream_ordered
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max(1, max_inflight_all_gathers)
-        # CPU: completing older reductions during backward frees their full-size gradients early
-        # (measured on llama-40M: step peak 458 -> 356 MiB, and faster from fewer page faults).
+        # Completing older reductions during backward frees their full-size gradients early (CPU,
+        # llama-40M: step peak 458 -> 356 MiB, and faster from fewer page faults; CUDA: peak gradient
+        # memory is N full gradients instead of DDP's all of them).
         self.max_pending_reductions = max(1, max_pending_reductions)
+        self.predivide = float(gradient_predivide_factor(group.world_size))
+        self.postdivide = group.world_size / self.predivide
         self.profiler = profiler
-        self._gathers: Dict[FlatParameter, object] = {}
+        self.all_gather_stream = self.streams.side_stream("all_gather")
+        self.reduce_scatter_stream = self.streams.side_stream("reduce_scatter")
+        self.replica_stream = self.streams.side_stream("replica_all_reduce") if group.is_hybrid else None
+        self._gathers: Dict[FlatParameter, tuple] = {}
         self._gather_order: Deque[FlatParameter] = collections.deque()
-        self._reduces: List[_PendingReduce] = []
-        if self.use_streams:
-            self.all_gather_stream = torch.cuda.Stream(device=device)
-            self.reduce_scatter_stream = torch.cuda.Stream(device=device)
+        self._free_events: Deque[Any] = collections.deque()
+        self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
+        self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
 
     # ------------------------------------------------------------------ all-gather
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
-        if self.use_streams:
-            self.all_gather_stream.wait_stream(torch.cuda.current_stream())
+        self.streams.wait_stream(self.all_gather_stream, self.streams.compute_stream())
 
     def unshard(self, flat: FlatParameter, label: str = "") -> None:
         """Start gathering ``flat`` unless it is unsharded or already being gathered."""
@@ -89,23 +100,27 @@ class Engine:
             return
         while len(self._gather_order) >= self.max_inflight:
             self.wait_unshard(self._gather_order[0])
+        self._wait_for_freed_buffers()
+        s = self.streams
         with self.profiler.span("all_gather_issue", label):
-            if self.use_streams:
-                with torch.cuda.stream(self.all_gather_stream):
-                    out = flat.alloc_unsharded()
-                    shard = flat.local_shard.to(flat.compute_dtype)
-                    self.group.all_gather(out, shard, async_op=False)
-                    handle = _EventHandle(self.all_gather_stream)
-            else:
+            with s.on(self.all_gather_stream):
                 out = flat.alloc_unsharded()
+                s.note_alloc(out, "unsharded", flat)
                 shard = flat.local_shard.to(flat.compute_dtype)
-                handle = self.group.all_gather(out, shard, async_op=True)
-                handle = _KeepAlive(handle, shard)
+                s.note_write(flat)
+            handle = s.collective(self.all_gather_stream,
+                                  lambda async_op: self.group.all_gather(out, shard, async_op=async_op), keep=shard)
         self._gathers[flat] = (handle, label)
         self._gather_order.append(flat)
 
+    def _wait_for_freed_buffers(self) -> None:
+        """CUDA: block the host until the compute stream is done with all but the newest freed buffers."""
+        while len(self._free_events) >= self.max_inflight:
+            with self.profiler.span("all_gather_rate_limit"):
+                self.streams.synchronize(self._free_events.popleft())
+
     def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
-        """Block (CPU) or make the compute stream wait (CUDA) until ``flat`` is gathered."""
+        """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered."""
         entry = self._gathers.pop(flat, None)
         if entry is None:
             return
@@ -118,84 +133,116 @@ class Engine:
         self.unshard(flat, label)
         self.wait_unshard(flat, label)
 
+    def note_params_read(self, flat: FlatParameter) -> None:
+        """The compute stream is about to read ``flat``'s gathered values (a unit's forward/backward)."""
+        self.streams.note_read(flat)
+
     def reshard(self, flat: FlatParameter) -> None:
-        """Free the unsharded buffer (after any gather into it finished)."""
+        """Free the unsharded buffer once every reader is done with it."""
         if flat in self._gathers:
             self.wait_unshard(flat)
         if not flat.is_unsharded:
             return
-        if self.use_streams:
-            flat.unsharded.record_stream(torch.cuda.current_stream())
+        s = self.streams
+        compute = s.compute_stream()
+        # allocated on the all-gather stream, read on the compute stream: not reusable before those reads
+        s.record_stream(flat.unsharded, compute)
         flat.free_unsharded()
+        s.note_free(flat)
+        event = s.record(compute)
+        if event is not None:
+            self._free_events.append(event)
 
     # ------------------------------------------------------------------ gradient reduction
     def reduce_grad(self, flat: FlatParameter, full_grad: torch.Tensor, label: str = "") -> None:
         """Start reducing a full flat gradient to this rank's shard (averaged over all ranks)."""
+        s = self.streams
+        label = label or "?"
+        while len(self._reduces) >= self.max_pending_reductions:
+            self._complete_reduction(self._reduces.popleft())
         dtype = self.reduce_dtype or full_grad.dtype
         with self.profiler.span("reduce_scatter_issue", label):
-            if self.use_streams:
-                producer = torch.cuda.current_stream()
-                self.reduce_scatter_stream.wait_stream(producer)
-                with torch.cuda.stream(self.reduce_scatter_stream):
-                    full = full_grad.to(dtype)
-                    shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
-                    self.group.reduce_scatter(shard_out, full, async_op=False)
-                    self.group.take_reduced_shard(shard_out, full)
-                    self.group.all_reduce_replicas(shard_out, async_op=False)
-                    handle = _EventHandle(self.reduce_scatter_stream)
-                full_grad.record_stream(self.reduce_scatter_stream)
-            else:
-                full = full_grad.to(dtype)
+            # on the compute stream, where the gradient was produced: it can be dropped once the compute
+            # stream waited for the reduction, without record_stream
+            full = full_grad.to(dtype)
+            del full_grad
+            if self.predivide != 1:
+                full.div_(self.predivide)
+            s.note_alloc(full, "full_grad")
+            s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
+            with s.on(self.reduce_scatter_stream):
                 shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
-                handle = self.group.reduce_scatter(shard_out, full, async_op=True)
-        self._reduces.append(_PendingReduce(flat, handle, full, shard_out, label or "?"))
-        if not self.use_streams:
-            while len(self._reduces) > self.max_pending_reductions:
-                self._complete_cpu_reduction(self._reduces.pop(0))
+                s.note_read(full)
 
-    def _complete_cpu_reduction(self, r: _PendingReduce) -> None:
+            def issue(async_op: bool) -> Any:
+                work = self.group.reduce_scatter(shard_out, full, async_op=async_op)
+                if not async_op:
+                    self.group.take_reduced_shard(shard_out, full)
+                return work
+
+            handle = s.collective(self.reduce_scatter_stream, issue)
+        pending = _PendingReduce(flat, handle, full, shard_out, label)
+        del full
+        if self.use_streams:
+            self._start_replica_reduce(pending)
+        self._reduces.append(pending)
+
+    def _start_replica_reduce(self, r: _PendingReduce) -> None:
+        """Hybrid sharding: sum the reduced shard over the replicas (own stream on CUDA)."""
+        if not self.group.is_hybrid:
+            return
+        s = self.streams
+        if self.use_streams:
+            s.wait_event(self.replica_stream, r.reduced.event)
+        r.replicas = s.collective(
+            self.replica_stream, lambda async_op: self.group.all_reduce_replicas(r.shard_out, async_op=async_op)
+        )
+
+    def _complete_reduction(self, r: _PendingReduce) -> None:
+        """The reduce-scatter of ``r`` is waited for; its full gradient is dropped."""
         with self.profiler.span("reduce_scatter_wait", r.label):
-            _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
-            self.group.take_reduced_shard(r.shard_out, r.full_grad)
-            _wait(self.group.all_reduce_replicas(r.shard_out, async_op=True),
-                  f"replica all-reduce of unit {r.label}", self.group)
+            _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
+            if not self.use_streams:
+                self.group.take_reduced_shard(r.shard_out, r.full_grad)
         r.full_grad = None
-        r.shard_out.mul_(1.0 / self.group.world_size)
-        r.flat.accumulate_sharded_grad(r.shard_out)
+        if not self.use_streams:
+            self._start_replica_reduce(r)
+        self._reduced.append(r)
 
     def finish_reduces(self) -> None:
         """Wait for every pending reduction and add the results to the sharded gradients."""
-        if not self._reduces:
+        while self._reduces:
+            self._complete_reduction(self._reduces.popleft())
+        done, self._reduced = self._reduced, []
+        if not done:
             return
-        pending, self._reduces = self._reduces, []
+        compute = self.streams.compute_stream()
+        scale = 1.0 / self.postdivide
         with self.profiler.span("reduce_scatter_wait"):
-            if self.use_streams:
-                for r in pending:
-                    _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
-                    r.shard_out.record_stream(torch.cuda.current_stream())
-            else:
-                replica_works = []
-                for r in pending:
-                    _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
-                    self.group.take_reduced_shard(r.shard_out, r.full_grad)
-                    replica_works.append((r.label, self.group.all_reduce_replicas(r.shard_out, async_op=True)))
-                for label, work in replica_works:
-                    _wait(work, f"replica all-reduce of unit {label}", self.group)
-        scale = 1.0 / self.group.world_size
-        for r in pending:
-            r.shard_out.mul_(scale)
+            for r in done:
+                if r.replicas is not None:
+                    _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+        for r in done:
+            # allocated on the reduce-scatter stream, kept as the sharded gradient used on the compute stream
+            self.streams.record_stream(r.shard_out, compute)
+            if scale != 1.0:
+                r.shard_out.mul_(scale)
             r.flat.accumulate_sharded_grad(r.shard_out)
 
     def drain_discarding_reductions(self) -> None:
         """Wait for outstanding collectives without using their results (after an aborted backward)."""
         for flat in list(self._gathers):
             self.wait_unshard(flat)
-        pending, self._reduces = self._reduces, []
+        pending, self._reduces = list(self._reduces), collections.deque()
+        done, self._reduced = self._reduced, []
         for r in pending:
-            _wait(r.handle, f"gradient reduction of unit {r.label}", self.group)
+            _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
+        for r in done:
+            if r.replicas is not None:
+                _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
 
     def has_pending(self) -> bool:
-        return bool(self._gathers) or bool(self._reduces)
+        return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
         """Finish everything outstanding (used before reading state outside the training loop)."""
@@ -214,17 +261,3 @@ def _wait(handle, what: str, group: ShardGroup) -> None:
             f"(shard group size {group.shard_size}). A peer rank probably died or stopped participating, "
             f"or the process-group timeout expired. Original error: {exc}"
         ) from exc
-
-
-class _KeepAlive:
-    """A CPU work handle that keeps its input tensor alive until the collective finished."""
-
-    __slots__ = ("work", "tensor")
-
-    def __init__(self, work, tensor: torch.Tensor) -> None:
-        self.work, self.tensor = work, tensor
-
-    def wait(self) -> None:
-        if self.work is not DONE:
-            self.work.wait()
-        self.tensor = None

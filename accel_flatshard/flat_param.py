@@ -147,6 +147,7 @@ class FlatParameter:
         world_size: int,
         compute_dtype: Optional[torch.dtype] = None,
         alignment: int = DEFAULT_ALIGNMENT,
+        device: Optional[torch.device] = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParameter needs at least one parameter")
@@ -157,7 +158,9 @@ class FlatParameter:
         self.params = list(params)
         self.users = [list(u) for u in users]
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        # ``device``: where the shard lives when the parameters are elsewhere (a CPU model wrapped for CUDA:
+        # each unit is copied straight into its device buffer, never moved whole)
+        self.device = torch.device(device) if device is not None else params[0].device
         self.compute_dtype = compute_dtype or self.dtype
         self.requires_grad = params[0].requires_grad
         self.rank = rank
@@ -237,7 +240,7 @@ class FlatParameter:
     def point_params_at_shard(self) -> None:
         """Original parameters become 1-D views of their slices of ``local_shard``."""
         for piece, p in zip(self.pieces, self.params):
-            p.data = self.local_shard.narrow(0, piece.shard_start, piece.length)
+            _set_data(p, self.local_shard.narrow(0, piece.shard_start, piece.length))
         self._shard_ptrs = [p.data_ptr() for p in self.params]
 
     def check_params_are_shard_views(self) -> None:
@@ -297,3 +300,12 @@ class FlatParameter:
         if self.sharded_grad is not None:
             n += self.sharded_grad.numel() * self.sharded_grad.element_size()
         return n
+
+
+def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:
+    """``p.data = value``, also from a device whose tensors cannot take ``value``'s in place (e.g. meta):
+    then the contents are swapped, which keeps the Parameter object (optimizers and ties hold it)."""
+    if torch._has_compatible_shallow_copy_type(p, value):
+        p.data = value
+    else:
+        torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))

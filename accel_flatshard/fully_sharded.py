@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -63,17 +63,27 @@ class _RootState:
                 return args, kwargs  # the root itself recomputed under activation checkpointing
             self._abandon_backward()
 
+        self._reshard_leftovers()
         self.engine.begin_step()
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.check_params_are_shard_views()
                 flat.release_grad_if_unused()
         self._current_order, self._current_set, self._order_ok = [], set(), True
+        args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
             cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         return args, kwargs
+
+    def _reshard_leftovers(self) -> None:
+        """Units still gathered from an earlier forward (the root, the last unit) are freed: their
+        buffers may be stale if the shards were written since (summon_full_params, load_state_dict,
+        load_state) and no backward followed.  A backward of that earlier forward gathers them again."""
+        for unit in self.units:
+            if unit.state != UnitState.BACKWARD:
+                unit.reshard()
 
     def on_unit_forward(self, unit: Unit) -> None:
         """Record the execution order, check it against the recorded one, prefetch the next unit."""
@@ -191,7 +201,11 @@ class FullyShardedDataParallel(nn.Module):
             (unit by unit; other ranks may hold a meta-device model).
         param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors; called unit by
             unit so that only one unit is ever held in full (default: ``to_empty`` + ``reset_parameters``).
-        limit_all_gathers: at most this many all-gathers in flight.
+        limit_all_gathers: at most this many all-gathers in flight (on CUDA also: at most this many freed
+            gathered buffers the compute stream has not yet finished with; the host waits beyond).
+        device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
+            module, the current CUDA device.  A module elsewhere is copied there unit by unit while
+            sharding, so the device never holds more than one unit unsharded.
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
     objects, each a 1-D view of this rank's slice of its values; build the optimizer from them
@@ -219,6 +233,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Optional[ParamInitFn] = None,
         limit_all_gathers: int = 2,
         profiler=None,
+        device_id: Optional[Union[int, torch.device]] = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -228,9 +243,7 @@ class FullyShardedDataParallel(nn.Module):
         _check_not_wrapped(module)
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
-        device = _module_device(module)
-        if device.type == "meta":
-            device = materialization_device(self.shard_group.uses_nccl)
+        device = _target_device(module, self.shard_group, device_id)
         _check_device(device, self.shard_group, module)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
@@ -246,11 +259,14 @@ class FullyShardedDataParallel(nn.Module):
             # materialise (if on meta), flatten and shard one unit at a time: low peak memory
             unit_users = {id(m): m for groups in owned[id(unit_module)] for users in groups[2] for m, _ in users}
             unit_users.update({id(m): m for m in module.modules() if innermost[id(m)] is unit_module})
-            materialize(unit_users.values(), device, param_init_fn)
+            # without a param_init_fn, meta tensors get host memory: the flat build copies them into the
+            # device buffer, so the device holds one copy of one unit, not two
+            materialize(unit_users.values(), device if param_init_fn else torch.device("cpu"), param_init_fn)
             for params, _, users in owned[id(unit_module)]:
                 _refresh_params(params, users)
+            _move_unit_buffers(unit_users.values(), device)
             flats = [
-                self._build_flat(params, fqns, users, param_dtype, sync_module_states)
+                self._build_flat(params, fqns, users, param_dtype, sync_module_states, device)
                 for params, fqns, users in owned[id(unit_module)]
             ]
             unit = Unit(unit_module, names[id(unit_module)], flats, self._root, unit_module is module, reshard_after_forward)
@@ -261,10 +277,10 @@ class FullyShardedDataParallel(nn.Module):
         full_state_dict_hook.install(self)  # the unwrapped model's state_dict() gathers (collective)
 
     # ------------------------------------------------------------------ construction helpers
-    def _build_flat(self, params, fqns, users, param_dtype, sync_module_states) -> FlatParameter:
+    def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, device) -> FlatParameter:
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
-        flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype)
+        flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype, device=device)
         full = flat.full_flat_from_params()
         if sync_module_states:
             group.broadcast_from_rank0(full)
@@ -372,7 +388,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every rank; returns the total norm."""
-        return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group)
+        return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group,
+                               device=self._root.engine.device)
 
     def sharded_bytes(self) -> int:
         """Bytes this rank holds in parameter shards and sharded gradients."""
@@ -462,10 +479,35 @@ def _refresh_params(params: List[nn.Parameter], users: List[List[Tuple[nn.Module
         params[i] = p
 
 
+def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.device:
+    """Where the shards live: ``device_id``, else the module's device; a CPU/meta module with nccl goes to
+    the current CUDA device (accelerate and torchrun scripts set it to the local rank's GPU)."""
+    if device_id is not None:
+        return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    device = _module_device(module)
+    if device.type in ("meta", "cpu") and group.uses_nccl and torch.cuda.is_available():
+        # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        return materialization_device(group.uses_nccl)
+    return device
+
+
+def _move_unit_buffers(modules, device: torch.device) -> None:
+    """Buffers of one unit's modules go to the shards' device (parameters are copied by the flat build)."""
+    for module in modules:
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
+
+
 def _module_device(module: nn.Module) -> torch.device:
     devices = {}
-    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for name, p in tensors:
         devices.setdefault(p.device, name)
+    if len(devices) > 1:  # meta tensors are materialised unit by unit on the others' device
+        devices.pop(torch.device("meta"), None)
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
         raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. Move the model with .to(device) first")

@@ -14,6 +14,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     group: Optional[ShardGroup] = None,
+    device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """Clip the gradients of original parameters by their *global* norm; return that norm.
 
@@ -41,7 +42,9 @@ def clip_grad_norm_(
         if p.grad is None:
             continue
         (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
-    device = next((g.device for g in sharded + replicated), torch.device("cpu"))
+    # the norm lives where the gradients (or, on a rank without any, the model: ``device``) are; never
+    # "the current CUDA device", which is cuda:0 when a script moved the model without set_device
+    device = next((g.device for g in sharded + replicated), device or torch.device("cpu"))
     if group is not None and group.uses_nccl and not group.uses_gloo and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     is_inf = norm_type == float("inf")

@@ -22,7 +22,7 @@ def has_own_meta_tensors(module: nn.Module) -> bool:
 
 
 def materialization_device(uses_nccl: bool) -> torch.device:
-    """Where meta tensors are materialised: the current CUDA device with nccl, else the CPU."""
+    """Where the shards of a meta model live: the current CUDA device with nccl, else the CPU."""
     if uses_nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -32,12 +32,26 @@ def default_param_init_fn(device: torch.device) -> ParamInitFn:
     """Allocate a module's own tensors on ``device`` and run its ``reset_parameters`` if it has one."""
 
     def init(module: nn.Module) -> None:
-        module.to_empty(device=device, recurse=False)
+        materialize_own_tensors(module, device)
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
 
     return init
+
+
+def materialize_own_tensors(module: nn.Module, device: torch.device) -> None:
+    """Give a module's own meta parameters and buffers (uninitialised) storage on ``device``.
+
+    ``to_empty()`` would create new Parameter objects (a meta tensor cannot take real data in place),
+    detaching an optimizer built before wrapping; swapping the tensors' contents keeps identity.
+    """
+    for name, p in list(module._parameters.items()):
+        if p is not None and p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+    for name, b in list(module._buffers.items()):
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def materialize(modules: Iterable[nn.Module], device: torch.device, param_init_fn: Optional[ParamInitFn]) -> None:

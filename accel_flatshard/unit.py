@@ -13,7 +13,8 @@ it owns.  Its transitions, each one small method below::
   ``reshard_after_forward=False``).
 * pre_backward (first gradient reaching an output): gather again, prefetch the previous unit.
 * post_backward (per flat parameter, once its full gradient is accumulated): start the reduction,
-  reshard, optionally prefetch.
+  reshard, optionally prefetch.  A unit without trainable parameters has no gradient to wait for: a
+  hook on its inputs' gradients reshards it once the backward of its last call is over.
 
 A forward that runs while the model is in backward is an activation-checkpointing recomputation: it
 finds the unit unsharded (gathering if needed) and neither hooks outputs nor reshards.
@@ -21,7 +22,7 @@ finds the unit unsharded (gathering if needed) and neither hooks outputs nor res
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward and not is_root
         self.state = UnitState.IDLE
         self._grads_arrived = 0  # trainable flat params whose gradient arrived in this backward
+        self._open_backward_uses = 0  # calls whose backward started and (frozen units) has not ended
         self._views_installed = False
         self._installed_by_recompute = False
         self._handles = [
@@ -121,10 +123,13 @@ class Unit:
         self.wait_unshard()
         self.root.on_unit_forward(self)
         self._install_views()
+        if torch.is_grad_enabled() and self.flat_params and not self.trainable_flats:
+            args, kwargs = self._hook_inputs_for_frozen_backward(args, kwargs)
         return args, kwargs
 
     def _install_views(self) -> None:
         for flat in self.flat_params:
+            self.root.engine.note_params_read(flat)
             flat.install_views(flat.unsharded_views())
         self._views_installed = True
 
@@ -160,10 +165,27 @@ class Unit:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
     # ------------------------------------------------------------------ backward
+    def _hook_inputs_for_frozen_backward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+        """A unit without trainable parameters gets no post-backward hook from its gradients: reshard it
+        once the gradients of all its inputs are computed, i.e. its backward is over (torch FSDP1's
+        reshard-only hook).  Inputs that need no gradient mean no backward reaches this unit."""
+        tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._post_backward_frozen, mode="all")
+        return args, kwargs
+
+    def _post_backward_frozen(self, grads: Any) -> None:
+        self._open_backward_uses -= 1
+        if self.state != UnitState.BACKWARD or self._open_backward_uses > 0:
+            return  # another call of this unit (same forward, or an earlier one) still runs backward
+        self._end_unit_backward()
+
     def _pre_backward(self, grad: Optional[torch.Tensor]) -> None:
         self.root.on_backward_start()
-        if self.state == UnitState.BACKWARD:
+        self._open_backward_uses += 1  # (counted for frozen units: closed by _post_backward_frozen)
+        if self.state == UnitState.BACKWARD and self.is_unsharded():
             return  # a second output (or a second forward's output) of the same backward
+        # (a frozen unit called twice is resharded after each use's backward: gather it again)
         self.state = UnitState.BACKWARD
         self.unshard()
         self.wait_unshard()
@@ -191,10 +213,13 @@ class Unit:
         self._grads_arrived += 1
         if self._grads_arrived == len(self.trainable_flats):
             # every gradient of this unit is complete: nothing in this backward reads its params again
-            self._uninstall_views()
-            self.reshard()
-            if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-                self.root.prefetch_before(self)
+            self._end_unit_backward()
+
+    def _end_unit_backward(self) -> None:
+        self._uninstall_views()
+        self.reshard()
+        if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            self.root.prefetch_before(self)
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
@@ -202,6 +227,7 @@ class Unit:
         self.reshard()
         self.state = UnitState.IDLE
         self._grads_arrived = 0
+        self._open_backward_uses = 0
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -1,8 +1,11 @@
-"""CUDA parity and overlap check of accel_flatshard at W=1 (one GPU, NCCL).  Run by gpu_check.sh.
+"""CUDA checks of accel_flatshard (run by gpu_check.sh): W=1 parity + overlap, emulated W=8 memory, NCCL W>=2.
 
-    .venv/bin/python benchmarks/gpu_check.py --out DIR          # on a GPU machine
-    .venv/bin/python benchmarks/gpu_check.py --device cpu       # dry run of the parity part (gloo)
+    python benchmarks/gpu_check.py --part w1 --out DIR        # one GPU: parity + overlap at W=1
+    python benchmarks/gpu_check.py --part fake-w8 --out DIR   # one GPU: emulated W=8 memory vs FSDP2
+    torchrun --nproc_per_node N benchmarks/gpu_check.py --part nccl   # N >= 2 GPUs: NCCL parity
+    python benchmarks/gpu_check.py --device cpu --part w1|fake-w8     # CPU smoke of the same code (tiny)
 
+Part w1:
 1. Parity (fp32, TF32 off): GPT-2 and Llama, wrapped per block with several engine settings, train
    AdamW steps next to the plain model; losses and final parameters must agree (W=1: same math).
 2. Mixed precision smoke: bf16 parameters, fp32 reduction: finite losses close to the fp32 run.
@@ -11,11 +14,16 @@
    device copies of the full buffer.  torch.profiler records the kernels; reported: the fraction of
    side-stream (communication) time that overlaps compute-stream kernels, and the exposed
    communication = step time with emulated comm - step time without, against the comm time itself.
-Exit status 1 if parity fails or overlap is below --min-overlap.
+Part fake-w8 (``fake_w8``): peak device memory while wrapping a host model (<= shards + one unit) and
+   while training (<= shards + Adam + gathered units in flight + pending full gradients + activations),
+   and torch FSDP2's peak on the same model.
+Part nccl (``nccl_parity``): W >= 2 ranks on real NCCL vs the single-process run.
+Exit status 1 if a parity, memory bound or the overlap (< --min-overlap) fails.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -211,20 +219,206 @@ def overlap(device, out_dir: str, repeat: int, steps: int) -> float:
     return frac
 
 
+def llama_1b(meta: bool = True, layers: int = 22, hidden: int = 2048, vocab: int = 32000):
+    """TinyLlama-1.1B's shape (22 layers, hidden 2048, MLP 5632, 4 KV heads): 1.10 B parameters."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                   num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 512),
+                                   vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def _cuda_init(device):
+    """param_init_fn: materialise one module's own tensors on the GPU (values do not matter here)."""
+    from accel_flatshard.init import materialize_own_tensors
+
+    def init(module):
+        materialize_own_tensors(module, device)
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.is_floating_point():
+                torch.nn.init.normal_(t.data, std=0.02)
+
+    return init
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -> bool:
+    """Emulated W ranks (torch's fake process group: collectives are no-ops, memory is real).
+
+    1. Wrap a host-built model for the GPU: peak device memory during wrapping <= shards + one unit.
+    2. AdamW steps: peak max_memory_allocated <= analytical bound
+         shards (param + grad + 2 Adam states, fp32, / W) + gathered units in flight
+         (root + (limit_all_gathers + 1) units) + full gradients pending ((max_pending + 1) units)
+         + activations (measured: peak of the plain model's forward+backward minus its params and grads).
+    3. The same on torch FSDP2 (fully_shard per decoder layer + root), printed side by side.
+    """
+    cuda = device.type == "cuda"
+    kw = dict(layers=2, hidden=128, vocab=1024) if small else {}
+    ok = True
+    x = torch.randint(0, kw.get("vocab", 32000), (batch, seq), device=device)
+
+    def peak_reset():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() if cuda else 0
+
+    def peak():
+        return torch.cuda.max_memory_allocated() if cuda else 0
+
+    # activations of the plain model, measured layer-for-layer the same (one process, no sharding)
+    host_model = llama_1b(meta=False, **kw)
+    plain = copy.deepcopy(host_model).to(device)
+    n_params = sum(p.numel() for p in plain.parameters())
+    base = peak_reset()
+    plain(input_ids=x, labels=x).loss.backward()
+    activations = max(peak() - base - n_params * 4, 0)  # minus the full gradients it produced
+    del plain
+    print(f"  model: {n_params / 1e9:.2f} B parameters; activations (measured, plain model): {_mib(activations)}",
+          flush=True)
+
+    # 1. wrapping a host (CPU) model onto the GPU
+    base = peak_reset()
+    wrapped = FullyShardedDataParallel(host_model, auto_wrap_policy=transformer_auto_wrap_policy(host_model),
+                                       device_id=device, limit_all_gathers=2)
+    unit_bytes = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in wrapped.units]
+    shard_bytes = sum(f.local_shard.numel() * f.local_shard.element_size() for f in wrapped.flat_params)
+    wrap_peak = peak() - base
+    good = (not cuda) or wrap_peak <= shard_bytes + max(unit_bytes) + 2**20
+    ok &= good
+    print(f"  wrap from host: device peak {_mib(wrap_peak)} <= shards {_mib(shard_bytes)} + largest unit "
+          f"{_mib(max(unit_bytes))}: {'PASS' if good else 'FAIL'} (whole model: {_mib(n_params * 4)})", flush=True)
+
+    # 2. training steps
+    engine = wrapped._root.engine
+    root_bytes = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
+    layer_bytes = max(b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root)
+    bound = (4 * shard_bytes + root_bytes + (engine.max_inflight + 1) * layer_bytes
+             + (engine.max_pending_reductions + 1) * max(unit_bytes) + activations)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=False)
+    base = peak_reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        wrapped(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ours = peak()
+    ours_s = (time.perf_counter() - t0) / steps
+    good = (not cuda) or ours <= bound
+    ok &= good
+    print(f"  ours : peak max_memory_allocated {_mib(ours)} <= bound {_mib(bound)} (shards+Adam {_mib(4 * shard_bytes)}, "
+          f"root {_mib(root_bytes)}, {engine.max_inflight + 1} x layer {_mib(layer_bytes)}, "
+          f"{engine.max_pending_reductions + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
+          f"{'PASS' if good else 'FAIL'}; {ours_s * 1e3:.0f} ms/step", flush=True)
+    del wrapped, opt, host_model
+
+    # 3. torch FSDP2 on the same model
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    model = llama_1b(meta=True, **kw)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p.data, std=0.02) if p.is_floating_point() else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+    peak_reset()
+    for _ in range(steps):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(f"  FSDP2: peak max_memory_allocated {_mib(peak())} (same model, W={world} fake)", flush=True)
+    return ok
+
+
+def nccl_parity(steps: int, tol: float, cuda: bool = True) -> bool:
+    """Under torchrun with W >= 2 GPUs: every rank trains its slice; losses and parameters must match a
+    single-process run on the global batch (computed on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 1024, (2 * world, 64), generator=g) for _ in range(steps)]
+    ok = True
+    for family in ("gpt2", "llama"):
+        ref = small_model(family).to(device)
+        ref_losses = train(ref, [x.to(device) for x in data])
+        ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+        # model on this rank's GPU *without* torch.cuda.set_device (the engine must use its device's streams)
+        wrapped = wrap(small_model(family).to(device), forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for x in data:
+            local = x.chunk(world)[rank]  # CPU input: moved to the device at the root
+            loss = wrapped(input_ids=local, labels=local).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        with wrapped.summon_full_params():
+            pdiff = max((p.detach() - ref_params[n]).abs().max().item() for n, p in wrapped.named_parameters())
+        ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        good = ldiff <= tol and pdiff <= tol
+        ok &= good
+        if rank == 0:
+            print(f"  nccl W={world} {family:5s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
+                  f"{'PASS' if good else 'FAIL'}", flush=True)
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--part", choices=["w1", "fake-w8", "nccl"], default="w1")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: smoke run of the same code on gloo / the fake process group, tiny sizes")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tol", type=float, default=None, help="parity tolerance (default 1e-4 cuda, 1e-6 cpu)")
     p.add_argument("--comm-repeat", type=int, default=8)
     p.add_argument("--min-overlap", type=float, default=0.5)
+    p.add_argument("--world", type=int, default=8, help="fake-w8: emulated ranks")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("CUDA is not available", file=sys.stderr)
         return 2
+    tol = args.tol if args.tol is not None else (1e-4 if cuda else 1e-6)
+    if args.part == "nccl":  # launched by torchrun
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+        try:
+            ok = nccl_parity(args.steps, args.tol if args.tol is not None else 1e-4, cuda)  # W>=2: other summation order
+        finally:
+            dist.destroy_process_group()
+        print("gpu_check nccl:", "PASS" if ok else "FAIL", flush=True)
+        return 0 if ok else 1
+    if args.part == "fake-w8":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+        try:
+            ok = fake_w8(device, args.world, 3 if cuda else 1, args.batch if cuda else 1, args.seq if cuda else 16,
+                         small=not cuda)
+        finally:
+            dist.destroy_process_group()
+        print("gpu_check fake-w8:", "PASS" if ok else "FAIL", flush=True)
+        return 0 if ok else 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -242,10 +436,10 @@ def main() -> int:
                             device_id=device if cuda else None)
     ok = True
     try:
-        print("[1/2] parity at W=1", flush=True)
-        ok &= parity(device, args.steps, args.tol if args.tol is not None else (1e-4 if cuda else 1e-6))
+        print("[w1 1/2] parity at W=1", flush=True)
+        ok &= parity(device, args.steps, tol)
         if cuda:
-            print("[2/2] overlap (emulated communication on the side streams)", flush=True)
+            print("[w1 2/2] overlap (emulated communication on the side streams)", flush=True)
             frac = overlap(device, args.out, args.comm_repeat, args.steps)
             if frac < args.min_overlap:
                 print(f"  FAIL: overlap {frac:.2f} < {args.min_overlap}", flush=True)
@@ -254,7 +448,7 @@ def main() -> int:
                 print("  PASS", flush=True)
     finally:
         dist.destroy_process_group()
-    print("gpu_check:", "PASS" if ok else "FAIL", flush=True)
+    print("gpu_check w1:", "PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
 

@@ -95,26 +95,9 @@ from accel_flatshard.comm import _Works  # noqa: E402
 
 
 def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:
-    """engine.Engine.reduce_grad (CPU path): after issuing a reduction, complete the oldest ones so that
-    at most ``max_inflight`` are outstanding; each completed one drops its full-size gradient at once
-    instead of at the end of backward (finish_reduces)."""
-    engine = wrapped._root.engine
-    if engine.use_streams:
-        return
-    original = engine.reduce_grad
-
-    def reduce_grad(self, flat, full_grad, label=""):
-        original(flat, full_grad, label)
-        while len(self._reduces) > max_inflight:
-            r = self._reduces.pop(0)
-            with self.profiler.span("reduce_scatter_wait", r.label):
-                r.handle.wait()
-                self.group.take_reduced_shard(r.shard_out, r.full_grad)
-                self.group.all_reduce_replicas(r.shard_out, async_op=False)
-            r.shard_out.mul_(1.0 / self.group.world_size)
-            r.flat.accumulate_sharded_grad(r.shard_out)
-
-    engine.reduce_grad = types.MethodType(reduce_grad, engine)
+    """Engine: at most ``max_inflight`` full gradients awaiting reduction (the engine now bounds them on
+    every device; this only sets the bound)."""
+    wrapped._root.engine.max_pending_reductions = max(1, max_inflight)
 
 
 def patch_adopt_grad(wrapped) -> None:

@@ -204,7 +204,13 @@ class Accelerator(_BaseAccelerator):
             )
 
     def _materialize_and_place(self, model: nn.Module) -> None:
-        """Give meta parameters storage (cpu_ram_efficient_loading), keep fp32 masters, move to the device."""
+        """Check that meta parameters can be filled, keep fp32 masters; do NOT move the model.
+
+        As accelerate does for torch FSDP, the model is not put on the device whole: the wrapper
+        materialises (meta) and copies (CPU) one unit at a time into its device buffer while sharding it
+        (the current CUDA device with nccl, which accelerate set to this process's GPU), so the device
+        never holds more than one unit unsharded.  Values of meta ranks arrive from rank 0.
+        """
         device = self.device
         if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
             if not self._flatshard_options.sync_module_states:
@@ -212,18 +218,21 @@ class Accelerator(_BaseAccelerator):
                     "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
                     "fsdp_sync_module_states is false: nothing would fill them; set it to true"
                 )
-            _materialize_meta(model, device)  # values arrive from rank 0 (sync_module_states) when wrapping
         if self.state.mixed_precision != "no":
             low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
             if low:
                 # as accelerate does for torch FSDP: the sharded master copy (what the optimizer updates)
-                # is fp32; compute still happens in the mixed-precision dtype.
+                # is fp32; compute still happens in the mixed-precision dtype.  Upcast where the
+                # parameter is (host or meta), one parameter at a time.
                 warnings.warn(f"accel_flatshard: upcasting {len(low)} low-precision parameters to fp32 "
                               f"(e.g. {low[0]}) because mixed precision is on", stacklevel=4)
                 for p in model.parameters():
                     if p.is_floating_point() and p.dtype != torch.float32:
                         p.data = p.data.float()
-        if any(p.device != device for p in model.parameters()):
+        on = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
+        if any(d.type not in ("cpu", "meta") and d != device for d in on):
+            model.to(device)  # already whole on another accelerator: nothing to save by moving unit by unit
+        elif device.type == "cpu" and on - {torch.device("cpu")}:
             model.to(device)
 
     # ------------------------------------------------------------------ training-time calls
@@ -379,25 +388,6 @@ def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
                 f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
                 "model: accel_flatshard shards it itself under the FSDP config"
             )
-
-
-def _materialize_meta(model: nn.Module, device: torch.device) -> None:
-    """Give meta parameters and buffers (uninitialised) storage on ``device``, keeping each Parameter object.
-
-    ``model.to_empty()`` would create new Parameter objects (a meta tensor cannot take CPU data in place),
-    silently detaching an optimizer built before ``prepare`` and untying shared weights; swapping the
-    tensors' contents keeps identity, so both keep working.
-    """
-    seen = set()
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta or id(p) in seen:
-                continue
-            seen.add(id(p))
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:

@@ -1,0 +1,245 @@
+"""The CUDA schedule, checked on CPU by simulation (accel_flatshard/_sim_streams.py).
+
+The wrapper runs its real CUDA code path (``CudaStreams``) against a simulated ``torch.cuda`` on a GPU
+that is infinitely slow relative to the host: nothing is known finished until a stream or the host
+waited on it.  Single process (gloo, world size 1): fast, and the results must equal the plain model's.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+from accel_flatshard._sim_streams import SimulatedCuda, simulate_cuda
+from accel_flatshard.engine import Engine
+from accel_flatshard.flat_param import FlatParameter
+from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
+from models import batches, llama
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _layer_class():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def _simulated(device_index=0, current_device=0, **kwargs):
+    with simulate_cuda(device_index, current_device) as sim:
+        model = FullyShardedDataParallel(llama(n_layer=LAYERS), auto_wrap_policy=transformer_auto_wrap_policy([_layer_class()]),
+                                         **kwargs)
+    return model, sim
+
+
+def _train(model, steps=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches(steps):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_simulated_cuda_schedule_trains_exactly_like_the_plain_model():
+    model, sim = _simulated()
+    assert isinstance(model._root.engine.streams, CudaStreams)
+    assert _train(model) == _train(llama(n_layer=LAYERS))
+    assert sim.violations == []
+
+
+def test_at_most_n_full_gradients_are_alive_during_backward():
+    """Defect 1: full gradients were kept until the end of backward on CUDA (DDP's peak)."""
+    model, sim = _simulated()
+    _train(model, steps=1)
+    n_flats = len(model.flat_params)
+    assert n_flats > 3
+    assert sim.peak["full_grad"] <= model._root.engine.max_pending_reductions
+    assert sim.violations == []  # each was dropped only after the compute stream waited for its reduction
+
+
+def test_the_simulator_sees_unbounded_full_gradients(monkeypatch):
+    """The check above can fail: with the bound lifted (the old CUDA path) every flat gradient stays alive."""
+    model, sim = _simulated()
+    model._root.engine.max_pending_reductions = 10**6
+    _train(model, steps=1)
+    assert sim.peak["full_grad"] == len(model.flat_params)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limit):
+    """Defect 3: freed buffers stay reserved until the GPU is past their readers; the host must wait on
+    free events instead of running through the whole forward."""
+    model, sim = _simulated(limit_all_gathers=limit)
+    _train(model, steps=1)
+    # the root stays gathered for the whole step, plus at most `limit` units in flight or awaiting free
+    assert sim.peak["unsharded"] <= limit + 1
+    assert sim.host_syncs > 0
+    assert sim.violations == []
+
+
+def test_the_simulator_sees_gathers_piling_up_without_the_rate_limit(monkeypatch):
+    monkeypatch.setattr(Engine, "_wait_for_freed_buffers", lambda self: None)
+    model, sim = _simulated(limit_all_gathers=1)
+    _train(model, steps=1)
+    assert sim.peak["unsharded"] >= LAYERS
+
+
+def test_streams_of_the_models_device_are_used_not_the_current_devices():
+    """Defect 4: model on cuda:1, current device 0 (no torch.cuda.set_device)."""
+    model, sim = _simulated(device_index=1, current_device=0)
+    _train(model, steps=1)
+    assert sim.streams_used == {1}
+    assert {name for op, name, kind in sim.log if op == "read" and kind == "unsharded"} == {"compute1"}
+    assert sim.violations == []
+
+
+def test_the_simulator_catches_waits_on_the_current_devices_stream(monkeypatch):
+    """The check above can fail: ``current_stream()`` without a device (the old code) waits on cuda:0's
+    stream, so cuda:1's compute stream reads gathers it never waited for."""
+    monkeypatch.setattr(CudaStreams, "compute_stream", lambda self: self.api.current_stream())
+    model, sim = _simulated(device_index=1, current_device=0)
+    _train(model, steps=1)
+    assert 0 in sim.streams_used
+    assert any("read on compute1 before its write" in v for v in sim.violations)
+
+
+def test_inputs_are_moved_to_the_models_device_at_the_root():
+    """Defect 8: a plain-torch loop passing CPU tensors to a CUDA model."""
+    model, sim = _simulated(device_index=1)
+    x = batches(1)[0]
+    model(input_ids=x, labels=x)
+    assert any(t is x for t in sim.moved_inputs)
+
+
+def test_side_streams_have_high_priority():
+    """Defect 9 (first half): FSDP2 gives its communication streams high priority."""
+    model, sim = _simulated()
+    _train(model, steps=1)
+    assert sim.side_streams and all(s.priority == HIGH_PRIORITY for s in sim.side_streams)
+
+
+class _IdenticalRanksGroup:
+    """A shard group of ``world`` ranks that all hold the same gradient (hybrid: ``shard`` ranks per
+    shard group).  Sums like NCCL does, in the gradient's dtype; notes the replica all-reduce's stream."""
+
+    def __init__(self, world, shard, sim=None, device=None):
+        self.world_size, self.shard_size, self.world_rank, self.shard_rank = world, shard, 0, 0
+        self.is_hybrid = shard != world
+        self.sim, self.device, self.replica_streams = sim, device, []
+
+    def all_gather(self, output, shard, async_op=True):
+        output.copy_(shard.repeat(self.shard_size))
+        return _Done()
+
+    def reduce_scatter(self, output, full, async_op=True):
+        mine = full[: output.numel()]
+        output.copy_(mine)
+        for _ in range(self.shard_size - 1):
+            output.add_(mine)
+        return _Done()
+
+    def take_reduced_shard(self, output, full):
+        return output
+
+    def all_reduce_replicas(self, tensor, async_op=True):
+        if self.sim is not None:
+            self.replica_streams.append(self.sim.current_stream(self.device))
+        tensor.mul_(self.world_size // self.shard_size)
+        return _Done()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _flat_with_grad(world, value, dtype):
+    p = nn.Parameter(torch.zeros(8 * world, dtype=dtype))
+    flat = FlatParameter([p], ["w"], [[(nn.Module(), "w")]], rank=0, world_size=world)
+    flat.set_local_shard_from_full(torch.zeros(flat.layout.padded_numel, dtype=dtype))
+    flat.point_params_at_shard()
+    return flat, p, torch.full((flat.layout.padded_numel,), value, dtype=dtype)
+
+
+@pytest.mark.parametrize("adapter", ["cuda", "host"])
+def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter):
+    """Defect 5: 4 ranks each with an fp16 gradient of 30000 (loss-scaled): the sum 120000 overflows
+    fp16 (max 65504); divided by 2 before and 2 after, the average 30000 comes out."""
+    sim = SimulatedCuda()
+    streams = CudaStreams(torch.device("cuda", 0), api=sim, tracer=sim) if adapter == "cuda" else HostStreams(torch.device("cpu"))
+    engine = Engine(_IdenticalRanksGroup(4, 4), torch.device("cpu"), streams=streams)
+    flat, p, grad = _flat_with_grad(4, 30000.0, torch.float16)
+    engine.reduce_grad(flat, grad, "w")
+    engine.finish_reduces()
+    assert torch.isfinite(p.grad).all()
+    assert torch.equal(p.grad, torch.full_like(p.grad, 30000.0))
+
+
+def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
+    """Defect 9 (second half): hybrid sharding's all-reduce across replicas must not queue behind the
+    next reduce-scatter on one stream; it waits only for its own reduce-scatter's event."""
+    sim = SimulatedCuda()
+    device = torch.device("cuda", 0)
+    group = _IdenticalRanksGroup(4, 2, sim, device)
+    engine = Engine(group, torch.device("cpu"), streams=CudaStreams(device, api=sim, tracer=sim))
+    flat, p, grad = _flat_with_grad(2, 1.0, torch.float32)
+    engine.reduce_grad(flat, grad, "w")
+    engine.finish_reduces()
+    assert torch.equal(p.grad, torch.ones_like(p.grad))  # (4 ranks * 1.0) / 4
+    (replica_stream,) = group.replica_streams
+    assert replica_stream is engine.replica_stream
+    assert replica_stream is not engine.reduce_scatter_stream
+    assert replica_stream.priority == HIGH_PRIORITY
+    assert ("wait_event", replica_stream.name, engine.reduce_scatter_stream.name) in sim.log
+
+
+def _simulated_w2_worker(rank, world_size, group_size):
+    with simulate_cuda() as sim:
+        model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([_layer_class()]),
+                                         fsdp_group_size=group_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches(2, batch=4):
+        local = x.chunk(world_size)[rank]
+        loss = model(input_ids=local, labels=local).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return losses, sim.violations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [None, 1])
+def test_simulated_cuda_schedule_at_w2_matches_the_single_process_run(group_size):
+    """Real gloo collectives issued the CUDA way (on side streams, completion by events), sharded and hybrid."""
+    from dist_helpers import spawn
+
+    reference = llama(n_layer=3)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = []
+    for x in batches(2, batch=4):
+        loss = reference(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for losses, violations in spawn(2, _simulated_w2_worker, group_size):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert violations == []
