@@ -382,3 +382,13 @@ def register() -> None:
     """
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
+    _trainer_state_workaround()
+
+
+def _trainer_state_workaround() -> None:
+    """TEMPORARY (issue 10 item 1, owned by the "trainer" helper; drop when its fix lands): TrainingArguments
+    creates accelerate's PartialState before the Trainer's Accelerator; on a CUDA-less host without
+    ACCELERATE_USE_CPU it records DistributedType.NO.  Asking for the CPU path makes it MULTI_CPU, which
+    the Accelerator then switches to FSDP."""
+    if _flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
