@@ -9,7 +9,10 @@ would use torch FSDP.  What differs from plain accelerate, and why:
   ``DistributedType.FSDP`` after accelerate set it up as MULTI_CPU (the only CPU type it knows).
 * ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
   optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
-  through accelerate's own preparation.
+  through accelerate's own preparation.  Every model is sharded, however many are prepared, and
+  ``evaluation_mode=True`` ones too (frozen reference models: no gradient memory).
+* TRL's ``prepare_fsdp`` (reference models) and accelerate's ``extract_model_from_parallel`` (PEFT
+  detection, unwrapping) are made to use / see through this wrapper (``trl_peft.py``).
 * ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
   the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
   accelerate's own and work unchanged.
@@ -208,7 +211,11 @@ class Accelerator(_BaseAccelerator):
     # ------------------------------------------------------------------ training-time calls
     def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP."""
+        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP.
+
+        ``parameters`` may come from several prepared models (and unwrapped ones): the norm is then the
+        one over all of them, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded models would give,
+        and every gradient is scaled by the same coefficient.  Collective over every model involved."""
         if self._flatshard_options is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -245,7 +252,8 @@ class Accelerator(_BaseAccelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full state dict (plain model's keys and shapes, on CPU) on the main process, ``{}`` elsewhere.
 
-        Collective: every rank must call it.
+        With several prepared models, the one of ``model`` (wrapped, or the model given to ``prepare``);
+        call it once per model.  Collective: every rank must call it.
         """
         wrapped = self._find_wrapper(model)
         if wrapped is None:
