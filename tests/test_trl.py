@@ -69,3 +69,11 @@ def test_dpo_trainer_with_lora_follows_ddp(tmp_path):
     assert max_abs_diff(ours["losses"], ddp["losses"]) < LOSS_TOL
     assert ours["model_info"]["trainable"] == ddp["model_info"]["trainable"] // 2
     assert ours["model_info"]["frozen"] == ddp["model_info"]["frozen"] // 2
+
+
+@pytest.mark.slow
+def test_kto_trainer_with_reference_model_follows_ddp_and_shards_the_reference(tmp_path):
+    ddp, ours = _run_both(tmp_path, SCRIPTS / "trl_kto.py")
+    assert max_abs_diff(ours["losses"], ddp["losses"]) < LOSS_TOL
+    assert ours["ref_class"] == "FullyShardedDataParallel"
+    assert ours["ref_info"]["trainable"] == ddp["ref_info"]["trainable"] // 2 and ours["ref_info"]["grads"] == 0
