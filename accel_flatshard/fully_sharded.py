@@ -24,6 +24,7 @@ from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
+from .outside_reads import enable_outside_reads
 from .profiler import profiler_for
 from .unit import BackwardPrefetch, Unit, UnitState
 from .wrap import Policy, select_units
@@ -55,6 +56,8 @@ class _RootState:
         self._current_set: set = set()
         self._order_ok = True
         self._warned_order = False
+        self.in_forward = False
+        self._outside_reads: List[Unit] = []  # units read outside their forward in this forward (outside_reads.py)
 
     # ------------------------------------------------------------------ forward
     def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
@@ -65,6 +68,8 @@ class _RootState:
 
         self._reshard_leftovers()
         self.engine.begin_step()
+        self._end_outside_reads()  # left over by a forward that raised
+        self.in_forward = True
         for unit in self.units:
             for flat in unit.flat_params:
                 flat.check_params_are_shard_views()
@@ -114,12 +119,28 @@ class _RootState:
         return bool(self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit)
 
     def post_root_forward(self) -> None:
+        self.in_forward = False
+        self._end_outside_reads()
         if self.recorded_order is None or not self._order_ok or len(self._current_order) != len(self.recorded_order):
             self.recorded_order = list(self._current_order)
             self._order_index = {u: i for i, u in enumerate(self.recorded_order)}
         if not torch.is_grad_enabled():
             for unit in self.units:  # no backward follows: free everything
                 unit.reshard()
+
+    # ------------------------------------------------------------------ reads from outside a unit's forward
+    def accepts_outside_reads(self) -> bool:
+        """Whether a unit may gather now for a read from outside its forward: only while this model runs
+        forward or recomputes it in backward (every rank does the same read then)."""
+        return self.in_forward or (self.in_backward and inside_backward_pass())
+
+    def note_outside_read(self, unit: Unit) -> None:
+        self._outside_reads.append(unit)
+
+    def _end_outside_reads(self) -> None:
+        for unit in self._outside_reads:
+            unit.end_outside_read()
+        self._outside_reads = []
 
     # ------------------------------------------------------------------ backward
     def on_backward_start(self) -> None:
@@ -128,6 +149,8 @@ class _RootState:
             self.in_backward = True
             _ROOTS_IN_BACKWARD.add(self)
             queue_end_of_backward_callback(self.finish_backward)
+            for unit in self.units:
+                unit.regather_for_backward()
 
     def prefetch_before(self, unit: Unit) -> None:
         """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
@@ -271,6 +294,8 @@ class FullyShardedDataParallel(nn.Module):
             ]
             unit = Unit(unit_module, names[id(unit_module)], flats, self._root, unit_module is module, reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
+            if unit_module is not module:
+                enable_outside_reads(unit)  # e.g. TRL's fused LM head reads lm_head.weight in the root's forward
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
         profiler.attach(self)

@@ -76,6 +76,8 @@ class Unit:
         self._open_backward_uses = 0  # calls whose backward started and (frozen units) has not ended
         self._views_installed = False
         self._installed_by_recompute = False
+        self._outside_read_pending = False  # read from outside in the running forward (read_outside_forward)
+        self._needed_by_backward = False  # read from outside in a forward with grad, its backward still to come
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
@@ -149,11 +151,11 @@ class Unit:
         if torch.is_grad_enabled():
             self._hook_outputs_for_backward(output)
             self.state = UnitState.AWAIT_BACKWARD
-            if self.reshard_after_forward and not self.root.runs_last_in_forward(self):
+            if self.reshard_after_forward and not self.root.runs_last_in_forward(self) and not self._outside_read_pending:
                 self.reshard()  # (the last unit's backward comes first: keep it, as FSDP2 does)
         else:
             self.state = UnitState.IDLE
-            if not self.is_root:
+            if not self.is_root and not self._outside_read_pending:
                 self.reshard()
         if self.is_root:
             self.root.post_root_forward()
@@ -221,6 +223,45 @@ class Unit:
         if self.root.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self.root.prefetch_before(self)
 
+    # ------------------------------------------------------------------ reads from outside the unit's forward
+    def read_outside_forward(self) -> bool:
+        """A parameter of this unit is read by code outside the unit's forward (outside_reads.py), e.g. the
+        parent's forward reading ``lm_head.weight``.  While the model runs forward (or recomputes it in
+        backward) gather the unit, install its views and return True; otherwise return False (the reader
+        gets the shard).  The unit stays gathered until the model's forward ends."""
+        if not self.root.accepts_outside_reads():
+            return False
+        self.unshard()
+        self.wait_unshard()
+        if not self._views_installed:
+            self._install_views()
+            self._installed_by_recompute = self.root.in_backward
+        if not self.root.in_backward and not self._outside_read_pending:
+            self._outside_read_pending = True
+            self.root.note_outside_read(self)
+        return True
+
+    def end_outside_read(self) -> None:
+        """The model's forward that read this unit from outside has ended: the attributes show shards again.
+        With grad enabled autograd saved the views (also of frozen parameters: the input gradient needs
+        them), so the unit stays gathered for backward; the root gathers it again at backward start if
+        something freed it meanwhile (a no-grad forward in between), see regather_for_backward."""
+        self._outside_read_pending = False
+        self._uninstall_views()
+        if torch.is_grad_enabled():
+            self._needed_by_backward = True
+            if self.state == UnitState.IDLE:
+                self.state = UnitState.AWAIT_BACKWARD
+        elif not self._needed_by_backward:
+            self.state = UnitState.IDLE
+            self.reshard()
+
+    def regather_for_backward(self) -> None:
+        """Backward is starting: make sure tensors saved from an outside read find their data."""
+        if self._needed_by_backward and not self.is_unsharded():
+            self.unshard()
+            self.wait_unshard()
+
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
         self._uninstall_views()
@@ -228,6 +269,7 @@ class Unit:
         self.state = UnitState.IDLE
         self._grads_arrived = 0
         self._open_backward_uses = 0
+        self._needed_by_backward = False
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -146,6 +146,37 @@ def wrap_embeddings(model) -> dict:
     return {"auto_wrap_policy": policy}
 
 
+def head_in_root(model) -> dict:
+    """Blocks as units, the untied embedding and head left in the root (the engine before the head
+    became a unit: the simplest way to let a parent's forward read ``lm_head.weight``)."""
+    from accel_flatshard.wrap import block_classes_of, transformer_auto_wrap_policy
+
+    return {"auto_wrap_policy": transformer_auto_wrap_policy(list(block_classes_of(model)))}
+
+
+def fused_head(model) -> dict:
+    """Give the model a forward like TRL's ``add_fused_lm_head``: run the backbone, then multiply by
+    ``lm_head.weight`` read directly, outside the head's own forward (outside_reads.py gathers it)."""
+    import torch.nn.functional as F
+
+    def forward(input_ids, labels=None, **kwargs):
+        hidden = model.model(input_ids).last_hidden_state[:, :-1]
+        logits = hidden @ model.get_output_embeddings().weight.t()
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return type("Output", (), {"loss": loss})()
+
+    model.forward = forward
+    return {}
+
+
+def no_outside_reads(wrapped) -> None:
+    """Undo outside_reads.enable_outside_reads (the engine before that fix): modules get their own
+    class back, so a parent's read of a unit's parameter sees the shard."""
+    for module in wrapped.module.modules():
+        if module.__dict__.pop("_flatshard_outside_reads", None) is not None:
+            module.__class__ = module.__class__.__mro__[1]
+
+
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -160,6 +191,9 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "boundrs": ("post", patch_bound_reduces),
     "adopt": ("post", patch_adopt_grad),
     "keeplast": ("post", patch_keep_last),
+    "headinroot": ("kw", head_in_root),
+    "fusedhead": ("kw", fused_head),
+    "noreads": ("post", no_outside_reads),
 }
 
 

@@ -16,7 +16,10 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why:
   accel_flatshard models by :mod:`.fsdp_utils_shim`; ``save_state`` uses the same functions.
 * ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
   optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
-  through accelerate's own preparation.
+  through accelerate's own preparation.  Every model is sharded, however many are prepared, and
+  ``evaluation_mode=True`` ones too (frozen reference models: no gradient memory).
+* TRL's ``prepare_fsdp`` (reference models) and accelerate's ``extract_model_from_parallel`` (PEFT
+  detection, unwrapping) are made to use / see through this wrapper (``trl_peft.py``).
 * ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
   the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
   accelerate's own and work unchanged.
@@ -44,8 +47,9 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from ..fully_sharded import FullyShardedDataParallel
-from ..grad_norm import clip_grad_norm_ as _global_clip_grad_norm
 from . import checkpointing, fsdp_utils_shim, trainer_shim
+from .multi_model import clip_grad_norm_over_models
+from .trl_peft import patch_libraries
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
 from .config import fsdp_version_requested, normalize_plugin_to_fsdp1, options_from_plugin
 
@@ -111,6 +115,7 @@ class Accelerator(_BaseAccelerator):
         fsdp_utils_shim.install()  # Trainer checkpoints call accelerate's free save/load_fsdp_* functions
         trainer_shim.install()  # the Trainer's weight-decay groups by parameter name
         self._setup_grad_scaler()
+        patch_libraries()  # TRL's trainer modules are imported by now (see trl_peft.py)
 
     # ------------------------------------------------------------------ setup
     def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
@@ -157,26 +162,26 @@ class Accelerator(_BaseAccelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
     ) -> nn.Module:
+        """Shard ``model`` with accel_flatshard (under an FSDP config; accelerate's own path otherwise).
+
+        Every model is sharded, however many one Accelerator is given (a policy and its reference model,
+        a generator and a discriminator): each gets its own wrapper and engine.  ``evaluation_mode=True``
+        (accelerate's flag for a model that is not trained, e.g. TRL's reference model) shards it too:
+        each unit is gathered for its forward and freed after it; it gets no activation checkpointing,
+        and parameters with ``requires_grad=False`` hold no gradient memory at all.
+        """
         opts = self._flatshard_options
         if opts is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if evaluation_mode:
-            # not trained, not sharded: accelerate's path (autocast, compile); under FSDP it would not move
-            # the model to the device, which torch FSDP does itself but nothing does here
-            if device_placement is None:
-                device_placement = self.device_placement
-            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         if getattr(model, "_is_accelerate_prepared", False):
             if model not in self._models:
                 self._models.append(model)
             return model
         if isinstance(model, FullyShardedDataParallel):  # wrapped by hand, as accelerate allows for torch FSDP
-            self._check_single_model(model)
             self._models.append(model)
             model._is_accelerate_prepared = True
             return model
         _check_not_wrapped_elsewhere(model)
-        self._check_single_model(model)
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             raise ValueError(
                 "torch.compile (dynamo_backend) is not supported together with accel_flatshard; set "
@@ -187,21 +192,11 @@ class Accelerator(_BaseAccelerator):
         if self.native_amp:
             _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
-        if opts.activation_checkpointing:
+        if opts.activation_checkpointing and not evaluation_mode:
             _apply_activation_checkpointing(wrapped)
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
         return wrapped
-
-    def _check_single_model(self, model: nn.Module) -> None:
-        others = [m for m in self._models if isinstance(m, FullyShardedDataParallel) and m is not model]
-        if others:
-            raise ValueError(
-                "accel_flatshard prepares one model per Accelerator (optimizers, checkpoints and gradient "
-                f"clipping are tied to it); {type(others[0].module).__name__} is already prepared and "
-                f"{type(model).__name__} was passed too. Put both in one nn.Module, or prepare the second "
-                "one with `accelerator.prepare_model(model, evaluation_mode=True)` if it is not trained"
-            )
 
     def _materialize_and_place(self, model: nn.Module) -> None:
         """Check that meta parameters can be filled, keep fp32 masters; do NOT move the model.
@@ -238,7 +233,11 @@ class Accelerator(_BaseAccelerator):
     # ------------------------------------------------------------------ training-time calls
     def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP."""
+        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP.
+
+        ``parameters`` may come from several prepared models (and unwrapped ones): the norm is then the
+        one over all of them, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded models would give,
+        and every gradient is scaled by the same coefficient.  Collective over every model involved."""
         if self._flatshard_options is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -250,8 +249,9 @@ class Accelerator(_BaseAccelerator):
                 own = list(model.parameters())
                 if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
                     return model.clip_grad_norm_(max_norm, norm_type)
-        # a subset (e.g. one param group): still a global norm over every rank's shards of it
-        return _global_clip_grad_norm(params, max_norm, norm_type)
+        # a subset (e.g. one param group) or parameters of several models: still one global norm over
+        # every rank's shards of all of them
+        return clip_grad_norm_over_models(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
         """Elementwise, so clipping each rank's shard is exact (accelerate refuses this for torch FSDP)."""
@@ -276,7 +276,8 @@ class Accelerator(_BaseAccelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full state dict (plain model's keys and shapes, on CPU) on the main process, ``{}`` elsewhere.
 
-        Collective: every rank must call it.
+        With several prepared models, the one of ``model`` (wrapped, or the model given to ``prepare``);
+        call it once per model.  Collective: every rank must call it.
         """
         wrapped = self._find_wrapper(model)
         if wrapped is None:
@@ -437,6 +438,7 @@ def register() -> None:
     accelerate.accelerator.Accelerator = Accelerator
     _use_cpu_state_for_fsdp_launch()
     fsdp_utils_shim.install()
+    patch_libraries()
 
 
 def _use_cpu_state_for_fsdp_launch() -> None:
