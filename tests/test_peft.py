@@ -57,6 +57,13 @@ def test_lora_plain_loop_saved_adapter_loads_and_equals_ddps(plain_runs):
     _assert_adapters_equal(tmp / "ddp", tmp / "fs")
 
 
+def test_lora_adapter_saved_without_state_dict_on_every_rank_equals_ddps(plain_runs):
+    """``unwrap_model(model).save_pretrained(dir, is_main_process=...)`` (no ``state_dict=``): PEFT asks the
+    unwrapped model for its state dict, which is gathered collectively, so the adapter is complete."""
+    tmp, _, _ = plain_runs
+    _assert_adapters_equal(tmp / "ddp" / "no_state_dict", tmp / "fs" / "no_state_dict")
+
+
 @pytest.mark.slow
 def test_lora_with_trainer_follows_ddp_and_saves_a_loadable_adapter(tmp_path):
     """Trainer.save_model under FSDP writes the model for FULL_STATE_DICT (as with torch FSDP)."""

@@ -1,7 +1,9 @@
 """LoRA (PEFT) with a plain accelerate loop, in the style of peft's ``peft_lora_clm_accelerate`` example.
 
 Imports only accelerate / peft / transformers / torch.  Records per-step losses (mean over processes)
-and saves the adapter with ``save_pretrained(state_dict=accelerator.get_state_dict(model))``.
+and saves the adapter twice: with ``save_pretrained(state_dict=accelerator.get_state_dict(model))`` into
+``output_dir`` and, as most PEFT scripts do, without ``state_dict=`` (on every rank) into
+``output_dir/no_state_dict``.
 """
 import argparse
 import json
@@ -46,6 +48,8 @@ def main():
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+    unwrapped.save_pretrained(os.path.join(args.output_dir, "no_state_dict"),
+                              is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         with open(args.output_json, "w") as f:
             json.dump({"losses": losses, "model_info": info, "unwrapped_class": type(unwrapped).__name__,
