@@ -6,9 +6,10 @@ over both processes.
 """
 import pytest
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff, read_json
 
 LOSS_TOL = 1e-5
+WEIGHT_TOL = 1e-4
 
 
 def _run_both(tmp, script, *args):
@@ -21,19 +22,53 @@ def _run_both(tmp, script, *args):
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    return _run_both(tmp_path_factory.mktemp("sft"), SCRIPTS / "trl_sft.py", "--model", "llama")
+    tmp = tmp_path_factory.mktemp("sft")
+    ddp, ours = _run_both(tmp, SCRIPTS / "trl_sft.py", "--model", "llama", "--save_final")
+    return tmp, ddp, ours
+
+
+def _load_final(directory):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory)).state_dict()
 
 
 def test_sft_trainer_on_untied_llama_follows_ddp(sft_runs):
-    ddp, ours = sft_runs
+    _, ddp, ours = sft_runs
     assert ours["distributed_type"] == "DistributedType.FSDP" and ours["num_processes"] == 2
     assert len(ours["losses"]) == 4
     assert max_abs_diff(ours["losses"], ddp["losses"]) < LOSS_TOL
 
 
 def test_sft_trainer_model_is_sharded(sft_runs):
-    ddp, ours = sft_runs
+    _, ddp, ours = sft_runs
     assert ours["model_info"]["trainable"] == ddp["model_info"]["trainable"] // 2
+
+
+def test_sft_final_save_loads_with_from_pretrained_and_equals_ddps(sft_runs):
+    tmp, _, _ = sft_runs
+    ddp_state, our_state = _load_final(tmp / "ddp" / "final"), _load_final(tmp / "fs" / "final")
+    assert sorted(our_state) == sorted(ddp_state)
+    assert all(our_state[k].shape == ddp_state[k].shape for k in ddp_state)
+    assert max((our_state[k] - ddp_state[k]).abs().max().item() for k in ddp_state) < WEIGHT_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_sft_resume_from_step_4_in_a_new_launch_reproduces_steps_5_to_8(tmp_path, state_dict_type):
+    yaml = fsdp_config(tmp_path, fsdp_state_dict_type=state_dict_type)
+    common = ["--model", "llama", "--steps", "8", "--save_steps", "4"]
+    launch(ddp_config(tmp_path), SCRIPTS / "trl_sft.py",
+           [*common, "--output_dir", str(tmp_path / "ddp"), "--output_json", str(tmp_path / "ddp.json")], ddp=True)
+    launch(yaml, SCRIPTS / "trl_sft.py",
+           [*common, "--output_dir", str(tmp_path / "fs"), "--output_json", str(tmp_path / "fs.json")], via_run=True)
+    launch(yaml, SCRIPTS / "trl_sft.py",
+           [*common, "--output_dir", str(tmp_path / "fs"), "--output_json", str(tmp_path / "resumed.json"),
+            "--resume_from", str(tmp_path / "fs" / "checkpoint-4")], via_run=True)
+    ddp, ours, resumed = (read_json(tmp_path / f"{n}.json") for n in ("ddp", "fs", "resumed"))
+    assert len(ours["losses"]) == 8 and len(resumed["losses"]) == 4
+    assert max_abs_diff(ours["losses"], ddp["losses"]) < LOSS_TOL
+    assert max_abs_diff(resumed["losses"], ours["losses"][4:]) < LOSS_TOL
 
 
 @pytest.fixture(scope="module")
