@@ -70,7 +70,9 @@ class _FullStateDictHook:
         self.world_size = group.world_size
         self.world_rank = group.world_rank
         self.gloo_group = None
-        if self.world_size > 1:
+        # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
+        # group and has no peers to wait for: no rendezvous there
+        if self.world_size > 1 and group.backend != "fake":
             world = group.world_group
             ranks = list(range(self.world_size)) if world is dist.group.WORLD else dist.get_process_group_ranks(world)
             # monitored_barrier needs gloo (also under nccl); only this model's ranks need to create it
