@@ -63,6 +63,8 @@ def launch(
     cmd: List[str] = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(_free_port())]
     if via_run:
         cmd += ["-m", "accel_flatshard.run"]
+    elif ddp:
+        cmd += [str(SCRIPTS / "reference_runner.py")]  # avoids a gloo teardown deadlock, see that file
     cmd += [str(script), *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FLATSHARD_", "ACCELERATE_", "FSDP_"))}
     full_env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
