@@ -41,6 +41,13 @@ def llama(seed: int = 0, n_layer: int = 2, hidden: int = 32) -> nn.Module:
 MODELS = {"gpt2": gpt2, "llama": llama}
 
 
+def llama_layer_class() -> type:
+    """The decoder-layer class of :func:`llama` (one unit per layer in transformer auto-wrap)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
 def batches(steps: int, batch: int = 4, seq: int = 16, seed: int = 1) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]

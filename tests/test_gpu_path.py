@@ -6,28 +6,14 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from models import batches, llama
+from models import batches, llama, llama_layer_class
 from toy import Block, Scale, Toy, toy_batches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _llama_layer():
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _wrap_toy(model):
@@ -38,7 +24,7 @@ def test_a_frozen_unit_is_resharded_when_its_backward_is_done():
     """Defect 6: a unit without trainable parameters stayed gathered until the end of backward."""
     model = llama(n_layer=3)
     model.model.layers[1].requires_grad_(False)
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([_llama_layer()]))
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]))
     units = {u.name: u for u in wrapped.units}
     frozen, below = units["model.layers.1"], units["model.layers.0"]
     seen = []
@@ -124,7 +110,7 @@ def test_wrapping_for_a_device_holds_one_unit_unsharded_there(source):
     with torch.device(source):
         model = llama(n_layer=4, hidden=64)
     with _LiveBytesOn("meta") as device_bytes:
-        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([_llama_layer()]),
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
                                            device_id=torch.device("meta"))
         shards = device_bytes.live()
     unit_bytes = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in wrapped.units]

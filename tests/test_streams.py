@@ -14,30 +14,17 @@ from accel_flatshard._sim_streams import SimulatedCuda, simulate_cuda
 from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
 from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
-from models import batches, llama
+from models import batches, llama, llama_layer_class
 
 LAYERS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _layer_class():
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _simulated(device_index=0, current_device=0, **kwargs):
     with simulate_cuda(device_index, current_device) as sim:
-        model = FullyShardedDataParallel(llama(n_layer=LAYERS), auto_wrap_policy=transformer_auto_wrap_policy([_layer_class()]),
+        model = FullyShardedDataParallel(llama(n_layer=LAYERS), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
                                          **kwargs)
     return model, sim
 
@@ -209,7 +196,7 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
 
 def _simulated_w2_worker(rank, world_size, group_size):
     with simulate_cuda() as sim:
-        model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([_layer_class()]),
+        model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
                                          fsdp_group_size=group_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
