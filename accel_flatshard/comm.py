@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -237,3 +237,78 @@ def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout=None) -
         timeout = datetime.timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
     mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
     return mine
+
+
+# ---------------------------------------------------------------------- objects, agreement, rendezvous
+# Small named collectives for state-dict and checkpoint code (which must not call torch.distributed itself).
+# ``group`` is a process group, or None for a single process (then each is a no-op returning the local value).
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+def _global_rank0(group: dist.ProcessGroup) -> int:
+    return 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
+
+
+def broadcast_object(group: Optional[dist.ProcessGroup], obj: Any) -> Any:
+    """Group rank 0's ``obj`` on every rank of ``group``."""
+    if _size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global_rank0(group), group=group)
+    return box[0]
+
+
+def all_gather_object(group: Optional[dist.ProcessGroup], obj: Any) -> List[Any]:
+    """Every rank's ``obj``, in group rank order."""
+    if _size(group) == 1:
+        return [obj]
+    out: List[Any] = [None] * _size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_tensor(group: Optional[dist.ProcessGroup], tensor: torch.Tensor) -> torch.Tensor:
+    """Overwrite ``tensor`` with group rank 0's copy (in place) and return it."""
+    if _size(group) > 1:
+        dist.broadcast(tensor, src=_global_rank0(group), group=group)
+    return tensor
+
+
+def barrier(group: Optional[dist.ProcessGroup]) -> None:
+    if _size(group) > 1:
+        dist.barrier(group=group)
+
+
+def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseException],
+                   error_types: Sequence[type] = (), default: type = RuntimeError) -> None:
+    """Collective: raise on every rank if any rank had an error, so no rank is left waiting in the next
+    collective.  A rank with an error re-raises its own; the others raise the first failing rank's error
+    class (looked up by name in ``error_types``, else ``default``) with that rank's message."""
+    if _size(group) > 1:
+        mine = None if error is None else (type(error).__name__, str(error))
+        failed = [(r, e) for r, e in enumerate(all_gather_object(group, mine)) if e is not None]
+        if failed and error is None:
+            rank, (cls_name, message) = failed[0]
+            cls = next((t for t in error_types if t.__name__ == cls_name), default)
+            raise cls(f"rank {rank} failed: {message}")
+    if error is not None:
+        raise error
+
+
+def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over the ranks of ``group`` (for :func:`rendezvous_or_fail`; monitored_barrier needs
+    gloo, also under nccl).  Collective over those ranks only."""
+    ranks = list(range(dist.get_world_size(group))) if group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
+def rendezvous_or_fail(gloo_group: dist.ProcessGroup, timeout: datetime.timedelta) -> Optional[str]:
+    """Wait for every rank of ``gloo_group`` at a monitored barrier; None when all came, else why not (the
+    caller raises an error that says what to do).  Fails fast on the rank that waits, instead of hanging
+    in the next collective until the process-group timeout."""
+    try:
+        dist.monitored_barrier(group=gloo_group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        return str(e).strip()
+    return None

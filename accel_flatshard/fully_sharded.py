@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import full_state_dict_hook
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
@@ -26,6 +25,7 @@ from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
 from .outside_reads import enable_outside_reads
 from .profiler import profiler_for
+from .state_dict import module_hooks
 from .unit import BackwardPrefetch, Unit, UnitState
 from .wrap import Policy, select_units
 
@@ -299,7 +299,7 @@ class FullyShardedDataParallel(nn.Module):
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
         profiler.attach(self)
-        full_state_dict_hook.install(self)  # the unwrapped model's state_dict() gathers (collective)
+        module_hooks.install(self)  # state_dict() of the wrapper and of the module gathers (collective)
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, device) -> FlatParameter:
@@ -343,17 +343,21 @@ class FullyShardedDataParallel(nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
+    # state dicts (state_dict/module_hooks.py): full, collective, like torch FSDP's FULL_STATE_DICT default
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """Inside :meth:`summon_full_params`: the plain model's state dict.  Outside: this rank's shards
-        (1-D slices under the original names), to be loaded back at the same world size.  (The unwrapped
-        model's ``state_dict()`` is the full one, collectively: see ``full_state_dict_hook``.)"""
-        with full_state_dict_hook.local_state_dict(self.module):
-            return self.module.state_dict(*args, **kwargs)
+        """Collective: the plain model's state dict on global rank 0 (CPU), ``{}`` on other ranks."""
+        return module_hooks.state_dict(self, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
-        return self.module.load_state_dict(state_dict, strict=strict)
+        """Collective: load a full dict (on every rank, or on rank 0 with ``{}`` elsewhere) and reshard it."""
+        return module_hooks.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """This rank's 1-D slices under the original names (not collective; same world size to load)."""
+        return module_hooks.local_state_dict_of(self, *args, **kwargs)
+
+    def load_local_state_dict(self, state_dict, strict: bool = True):
+        return module_hooks.load_local_state_dict(self, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ public API
     @property

@@ -22,7 +22,7 @@ finds the unit unsharded (gathering if needed) and neither hooks outputs nor res
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -30,8 +30,22 @@ import torch.nn as nn
 from ._compat import tensors_in
 from .flat_param import FlatParameter
 
-if TYPE_CHECKING:
-    from .fully_sharded import _RootState
+class RootState(Protocol):
+    """What a unit uses of the step-level state of its wrapper (``fully_sharded._RootState``)."""
+
+    engine: Any
+    backward_prefetch: Optional["BackwardPrefetch"]
+    in_backward: bool
+    sync_grads: bool
+
+    def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]: ...
+    def post_root_forward(self) -> None: ...
+    def on_unit_forward(self, unit: "Unit") -> None: ...
+    def runs_last_in_forward(self, unit: "Unit") -> bool: ...
+    def on_backward_start(self) -> None: ...
+    def prefetch_before(self, unit: "Unit") -> None: ...
+    def accepts_outside_reads(self) -> bool: ...
+    def note_outside_read(self, unit: "Unit") -> None: ...
 
 
 class BackwardPrefetch(enum.Enum):
@@ -61,7 +75,7 @@ class Unit:
         module: nn.Module,
         name: str,
         flat_params: List[FlatParameter],
-        root: "_RootState",
+        root: RootState,
         is_root: bool,
         reshard_after_forward: bool,
     ) -> None:

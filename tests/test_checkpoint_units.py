@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from accel_flatshard.checkpoint import CheckpointError, UnsafeCheckpointError
 from accel_flatshard.checkpoint._chunks import check_tiling, range_to_chunks
-from accel_flatshard.checkpoint._files import META_FILE, commit_dir, new_tmp_dir, resolve_checkpoint_dir
+from accel_flatshard.checkpoint._files import META_FILE, resolve_checkpoint_dir
+from accel_flatshard.checkpoint.atomic import commit_dir, new_tmp_dir
 from accel_flatshard.checkpoint._planner import FlatLoadPlanner, FlatRange, FlatSavePlanner, plan_reads
 from accel_flatshard.checkpoint._torch_compat import SavePlan, load_metadata_safely
 from accel_flatshard.checkpoint.consolidate import parse_size

@@ -75,7 +75,7 @@ def _names_worker(rank, world_size):
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
     after = dict(wrapped.named_parameters())
     same_objects = before.keys() == after.keys() and all(before[k] is after[k] for k in before)
-    local_sd = wrapped.state_dict()
+    local_sd = wrapped.local_state_dict()
     with wrapped.summon_full_params():
         inside = {k: v.clone() for k, v in wrapped.state_dict().items()}
         # load_state_dict inside summon writes through to the shards
@@ -84,10 +84,10 @@ def _names_worker(rank, world_size):
     with wrapped.summon_full_params():
         wrapped.load_state_dict(inside)
     # outside summon: each rank's shard, saved and loaded per rank
-    saved_local = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    saved_local = {k: v.clone() for k, v in wrapped.local_state_dict().items()}
     for p in wrapped.parameters():
         p.data.zero_()
-    wrapped.load_state_dict(saved_local)
+    wrapped.load_local_state_dict(saved_local)
     restored = full_params(wrapped)
     # the optimizer made before wrapping trains the sharded model (state is 1-D, sharded)
     train(wrapped, batches(2, batch=world_size * 2), rank, world_size, optimizer=opt_before_wrap)

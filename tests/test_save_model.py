@@ -176,7 +176,7 @@ def _contract_worker(rank, world_size, out_dir):
     for name, build in (("gpt2", gpt2), ("llama", llama)):
         model = build(seed=3)
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
-        results[f"{name}_wrapper_shapes"] = {k: tuple(v.shape) for k, v in wrapped.state_dict().items()}
+        results[f"{name}_wrapper_shapes"] = {k: tuple(v.shape) for k, v in wrapped.local_state_dict().items()}
         full = model.state_dict()  # collective: every rank
         results[f"{name}_full"] = full if rank == 0 else len(full)
         model.save_pretrained(os.path.join(out_dir, name), is_main_process=rank == 0)
@@ -212,7 +212,7 @@ def spawned(tmp_path_factory):
 
 
 def test_unwrapped_state_dict_is_the_full_one_collectively(spawned):
-    """unwrapped.state_dict(): the plain model's dict on rank 0, {} elsewhere; the wrapper's state_dict():
+    """unwrapped.state_dict(): the plain model's dict on rank 0, {} elsewhere; the wrapper's local_state_dict():
     this rank's 1-D slices; inside summon_full_params: full on any rank; save_pretrained on every rank
     writes what the plain model's save_pretrained writes (tied GPT-2 and untied Llama)."""
     tmp_path, results = spawned

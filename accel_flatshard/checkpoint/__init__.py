@@ -1,4 +1,7 @@
-"""Checkpoints for accel_flatshard models: full and sharded, model and optimizer (DESIGN.md section 6).
+"""Checkpoints on disk for accel_flatshard models: full and sharded, model and optimizer (DESIGN.md section 6).
+
+The in-memory parts (full gather/load, optimizer state by name) live in ``accel_flatshard.state_dict`` and
+are re-exported here.
 
 * Full model: :func:`full_state_dict` / :func:`load_full_state_dict` - the plain model's state dict,
   gathered to rank 0 one flat parameter at a time (``save_pretrained``/``load_state_dict`` compatible).
@@ -15,15 +18,17 @@ Example::
     save_sharded_model(model, "ckpt/model")
     save_sharded_optimizer(model, optimizer, "ckpt/optim")
 """
-from ._files import CheckpointError, UnsafeCheckpointError
-from .consolidate import consolidate, read_checkpoint_info, read_full_tensors
-from .full import full_state_dict, load_full_state_dict
-from .optim import (
+from ..state_dict import (  # in-memory state dicts, re-exported: the documented checkpoint API
+    CheckpointError,
+    UnsafeCheckpointError,
     full_optim_state_dict,
+    full_state_dict,
     load_full_optim_state_dict,
+    load_full_state_dict,
     optim_state_dict_from_torch,
     optim_state_dict_to_torch,
 )
+from .consolidate import consolidate, read_checkpoint_info, read_full_tensors
 from .optim_sharded import load_sharded_optimizer, save_sharded_optimizer
 from .sharded import load_sharded_model, save_sharded_model
 

@@ -20,29 +20,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ._files import (
-    FORMAT,
-    FORMAT_VERSION,
-    META_FILE,
-    CheckpointError,
-    describe_written,
-    item_crcs,
-    commit_dir,
-    crc32_of_range,
-    dtype_to_str,
-    new_tmp_dir,
-    read_meta,
-    remove_dir_quietly,
-    resolve_checkpoint_dir,
-    verify_items,
-    write_json_atomic,
-)
-from ._index import agree_on_error
+from .. import comm
+from ..state_dict.types import CheckpointError, agree, dtype_to_str
+from ._files import FORMAT, FORMAT_VERSION, META_FILE, crc32_of_range, describe_written, item_crcs, read_meta
+from ._files import resolve_checkpoint_dir, verify_items
+from .atomic import commit_dir, new_tmp_dir, remove_dir_quietly, write_json_atomic
 from ._planner import Entry, FlatLoadPlanner, FlatSavePlanner, plan_reads
 from ._torch_compat import (
     METADATA_FILE,
@@ -55,26 +41,9 @@ from ._torch_compat import (
 )
 
 
-def _world(group) -> Optional[dist.ProcessGroup]:
+def _world(group) -> Optional[Any]:
     """The process group DCP coordinates over (None: single process without torch.distributed)."""
-    if group is None:
-        return None
-    return group.world_group
-
-
-def _rank_size(world: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    if world is None:
-        return 0, 1
-    return dist.get_rank(world), dist.get_world_size(world)
-
-
-def _broadcast_obj(world: Optional[dist.ProcessGroup], obj: Any) -> Any:
-    if world is None or dist.get_world_size(world) == 1:
-        return obj
-    box = [obj]
-    src = 0 if world is dist.group.WORLD else dist.get_global_rank(world, 0)
-    dist.broadcast_object_list(box, src=src, group=world)
-    return box[0]
+    return None if group is None else group.world_group
 
 
 def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[str, Any]) -> None:
@@ -84,8 +53,8 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
     format, world size and checksums and written by rank 0 as the last file.
     """
     world = _world(group)
-    rank, size = _rank_size(world)
-    tmp = _broadcast_obj(world, new_tmp_dir(directory) if rank == 0 else None)
+    rank, size = (0, 1) if group is None else (group.world_rank, group.world_size)
+    tmp = comm.broadcast_object(world, new_tmp_dir(directory) if rank == 0 else None)
     try:
         writer = dcp_save(entries, tmp, FlatSavePlanner(), world)
     except BaseException:
@@ -97,10 +66,7 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
         files = describe_written(tmp, writer.written)
     except OSError as e:
         local_error = f"rank {rank}: cannot stat what it wrote in {tmp}: {e}"
-    gathered: List[Any] = [(local_error, files)]
-    if world is not None and size > 1:
-        gathered = [None] * size
-        dist.all_gather_object(gathered, (local_error, files), group=world)
+    gathered = comm.all_gather_object(world, (local_error, files))
     status = None
     if rank == 0:
         errors = [e for e, _ in gathered if e]
@@ -131,7 +97,7 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
                 status = f"rank 0 could not finish {directory}: {type(e).__name__}: {e}"
         if status is not None:
             remove_dir_quietly(tmp)
-    status = _broadcast_obj(world, status)
+    status = comm.broadcast_object(world, status)
     if status is not None:
         raise CheckpointError(f"saving {directory} failed (the previous checkpoint there is untouched): {status}")
 
@@ -174,10 +140,10 @@ def load_entries(group, directory: str, meta: Dict[str, Any], md: Metadata, entr
             reads = plan_reads(entries, md)
             records = storage_records(md, directory)
             needed = sorted({records[r.storage_index] for r in reads})
-            problems = verify_items(directory, meta["files"], needed, check_crc=False)  # CRCs: while reading
+            problems = verify_items(directory, meta["files"], needed)  # CRCs: checked while reading
             if problems:
                 error = CheckpointError("checkpoint files are damaged:\n  " + "\n  ".join(problems))
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
-    agree_on_error(world if _rank_size(world)[1] > 1 else None, error)
+    agree(world, error)
     dcp_load(entries, directory, md, FlatLoadPlanner(), world, item_crcs(meta["files"]) if verify_checksums else None)

@@ -1,98 +1,31 @@
-"""Files: errors, atomic directory commits, our JSON metadata, checksums.
-
-A checkpoint directory is written as ``<dir>.tmp-<random>`` and renamed into place only after every
-file, DCP's ``.metadata`` and finally our ``flatshard.json`` are on disk (fsynced).  Replacing an
-existing checkpoint renames it to ``<dir>.old-<random>`` first, renames the new one in, then deletes
-the old one; a crash between those two renames leaves the previous checkpoint complete under the
-``.old-`` name, and :func:`resolve_checkpoint_dir` finds it.  A crash at any earlier point leaves only
-a ``.tmp-`` directory next to the untouched previous checkpoint.
+"""Our checkpoint metadata on disk: ``flatshard.json`` (format, tensors, per-item CRC32s), finding a
+complete checkpoint directory (also one left as ``<dir>.old-*`` by a crash during :func:`atomic.commit_dir`),
+and checking the files a load needs before reading them.
 
 Example::
 
-    tmp = new_tmp_dir("ckpt/step100")          # "ckpt/step100.tmp-3f9a1c2b"
-    ...write files into tmp, then the JSON last...
-    commit_dir(tmp, "ckpt/step100")
+    directory = resolve_checkpoint_dir("ckpt/step100")
+    meta = read_meta(directory, "model")
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
-import shutil
-import uuid
 import warnings
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import torch
+from ..state_dict.types import CheckpointError
 
 META_FILE = "flatshard.json"
 FORMAT = "accel_flatshard.sharded"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the key or file and what differs."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asks to run code (e.g. a pickle referencing a non-allowed global)."""
-
-
-# ---------------------------------------------------------------------- dtypes
-def dtype_to_str(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def str_to_dtype(name: str, source: str = "checkpoint") -> torch.dtype:
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"{source}: unknown dtype {name!r}")
-    return value
-
-
-# ---------------------------------------------------------------------- atomic directories
-def new_tmp_dir(final: str) -> str:
-    """A fresh sibling path ``<final>.tmp-<random>`` (not created)."""
-    return f"{os.path.normpath(final)}.tmp-{uuid.uuid4().hex[:8]}"
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def commit_dir(tmp: str, final: str) -> None:
-    """Move the finished directory ``tmp`` to ``final``, replacing a previous checkpoint there."""
-    final = os.path.normpath(final)
-    parent = os.path.dirname(os.path.abspath(final))
-    old = None
-    if os.path.lexists(final):
-        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for leftover in glob.glob(glob.escape(final) + ".old-*"):  # from an earlier interrupted replace
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def remove_dir_quietly(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def resolve_checkpoint_dir(path: str) -> str:
     """``path`` if it holds a complete checkpoint; else a complete ``<path>.old-*`` left by a crash
-    between the two renames of :func:`commit_dir` (with a warning); else an error saying what is there."""
+    between the two renames of ``atomic.commit_dir`` (with a warning); else an error saying what is there."""
     path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, META_FILE)):
         return path
@@ -116,16 +49,6 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 
 # ---------------------------------------------------------------------- JSON metadata
-def write_json_atomic(path: str, obj: Dict[str, Any]) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
     """Read and sanity-check ``flatshard.json``; ``kind`` ("model"/"optimizer") must match when given."""
     path = os.path.join(directory, META_FILE)
@@ -177,9 +100,9 @@ def item_crcs(files: Dict[str, Any]) -> Dict[Tuple[str, int, int], int]:
     return {(name, o, n): c for name, entry in files.items() for o, n, c in entry.get("items", [])}
 
 
-def verify_items(directory: str, files: Dict[str, Any], needed: Iterable[Tuple[str, int, int]],
-                 check_crc: bool = True) -> List[str]:
-    """Check size (and checksum) of every needed ``(file, offset, length)``; returns problems found."""
+def verify_items(directory: str, files: Dict[str, Any], needed: Iterable[Tuple[str, int, int]]) -> List[str]:
+    """Check that every needed ``(file, offset, length)`` is listed, its file has the recorded size and a
+    checksum is recorded for it; returns the problems found.  (The CRC itself is checked while reading.)"""
     problems: List[str] = []
     crcs = {name: {(o, n): c for o, n, c in entry.get("items", [])} for name, entry in files.items()}
     seen_size = set()
@@ -200,6 +123,4 @@ def verify_items(directory: str, files: Dict[str, Any], needed: Iterable[Tuple[s
         expected = crcs[name].get((offset, length))
         if expected is None:
             problems.append(f"{path}: no checksum recorded for bytes [{offset}, {offset + length})")
-        elif check_crc and os.path.isfile(path) and crc32_of_range(path, offset, length) != expected:
-            problems.append(f"{path}: checksum mismatch in bytes [{offset}, {offset + length}) (corrupt file)")
     return problems

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Tuple, Union
 import torch
 
 from ._chunks import Chunk, check_tiling, flat_index, intersect, range_to_chunks
-from ._files import CheckpointError
+from ..state_dict.types import CheckpointError
 from ._torch_compat import (
     ChunkStorageMetadata,
     LoadItemType,

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._files import CheckpointError, UnsafeCheckpointError
+from ..state_dict.types import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "ChunkStorageMetadata", "LoadItemType", "LoadPlan", "LoadPlanner", "Metadata", "MetadataIndex",

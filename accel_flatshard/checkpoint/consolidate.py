@@ -2,7 +2,7 @@
 
 ``consolidate`` turns a sharded *model* checkpoint into the Hugging Face layout: ``model.safetensors``,
 or ``model-00001-of-0000N.safetensors`` files plus ``model.safetensors.index.json`` when the tensors
-exceed ``max_shard_size``.  Tensors are read a file's worth at a time, so memory stays near one output
+exceed ``max_shard_size`` (split by ``huggingface_hub.split_torch_state_dict_into_shards``).  Tensors are read a file's worth at a time, so memory stays near one output
 file.  Tied parameters are written once, under their first name (as ``save_pretrained`` does), so
 ``from_pretrained`` on a directory holding this and ``config.json`` works.
 
@@ -14,19 +14,19 @@ Example::
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
-import uuid
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ._dcp_io import load_entries, open_checkpoint
-from ._files import CheckpointError, read_meta, resolve_checkpoint_dir, str_to_dtype
+from ..state_dict.types import CheckpointError, str_to_dtype
+from ._files import read_meta, resolve_checkpoint_dir
+from .atomic import write_atomic, write_json_atomic
 
-__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "parse_size"]
+__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "write_hf_safetensors", "parse_size"]
 
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -134,34 +134,34 @@ def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, st
         config.save_pretrained("hf_out")
         model = AutoModelForCausalLM.from_pretrained("hf_out")
     """
+    directory, meta, md = open_checkpoint(checkpoint_dir, "model")
+    shapes = {k: torch.empty(d["shape"], dtype=str_to_dtype(d["dtype"]), device="meta") for k, d in meta["tensors"].items()}
+    return write_hf_safetensors(out_dir, shapes, lambda names: _read_batch(directory, meta, md, names, verify_checksums),
+                                max_shard_size)
+
+
+def write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor], read: Callable[[List[str]], Dict[str, torch.Tensor]],
+                         max_shard_size: Union[int, str]) -> List[str]:
+    """Hugging Face layout in ``out_dir``: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` (split by ``huggingface_hub``).  ``shapes``: name -> a tensor of the right
+    shape and dtype (meta is fine), in output order; ``read(names)`` returns one output file's real tensors, so
+    memory stays near one output file.  Every file is written atomically; stale files of an earlier split go."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    limit = parse_size(max_shard_size)
-    directory, meta, md = open_checkpoint(checkpoint_dir, "model")
-    names = list(meta["tensors"])
-    batches = _batches(meta, names, limit)
+    split = split_torch_state_dict_into_shards(shapes, max_shard_size=parse_size(max_shard_size))
     os.makedirs(out_dir, exist_ok=True)
-    n = len(batches)
-    files = [SAFE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map: Dict[str, str] = {}
-    total = 0
-    for fname, batch in zip(files, batches):
-        tensors = {k: v.contiguous() for k, v in _read_batch(directory, meta, md, batch, verify_checksums).items()}
-        tmp = os.path.join(out_dir, f".{fname}.tmp-{uuid.uuid4().hex[:8]}")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, fname))
-        for k, v in tensors.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
+    files = []
+    for fname, names in split.filename_to_tensors.items():
+        tensors = {k: v.contiguous() for k, v in read(names).items()}
+        write_atomic(os.path.join(out_dir, fname), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        files.append(fname)
         del tensors
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        write_json_atomic(os.path.join(out_dir, INDEX_NAME), index, indent=2)
+        files.append(INDEX_NAME)
     stale = {SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))}
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        tmp = os.path.join(out_dir, f".{INDEX_NAME}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "w") as f:
-            json.dump(index, f, indent=2)
-        os.replace(tmp, os.path.join(out_dir, INDEX_NAME))
-        files = files + [INDEX_NAME]
     for name in stale - set(files):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):

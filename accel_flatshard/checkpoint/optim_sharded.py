@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from ._dcp_io import load_entries, open_checkpoint, save_entries
-from ._files import CheckpointError, dtype_to_str, str_to_dtype
-from ._index import ModelIndex, quiesce
-from ._optim_index import (
+from ..state_dict.index import ModelIndex, quiesce
+from ..state_dict.types import CheckpointError, dtype_to_str, str_to_dtype
+from ..state_dict.optim_index import (
     SCALAR,
     SHARDED,
     check_groups,

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from ._files import META_FILE, CheckpointError, dtype_to_str
+from ..state_dict.types import CheckpointError, dtype_to_str
+from ._files import META_FILE
 
 __all__ = ["is_save_state_dir", "read_save_state_info", "consolidate_save_state"]
 
@@ -84,7 +84,7 @@ def read_save_state_info(directory: str) -> Dict[str, Any]:
 def consolidate_save_state(directory: str, out_dir: str, max_shard_size: Union[int, str] = "5GB",
                            verify_checksums: bool = True) -> List[str]:
     """Write the model of a ``save_state`` directory (sharded or full) as safetensors into ``out_dir``."""
-    from .consolidate import SAFE_NAME, consolidate, parse_size
+    from .consolidate import consolidate, write_hf_safetensors
 
     info = read_save_state_info(directory)
     models = info["models"]
@@ -95,17 +95,8 @@ def consolidate_save_state(directory: str, out_dir: str, max_shard_size: Union[i
     model = models[0]
     if model["layout"] == "sharded":
         return consolidate(model["path"], out_dir, max_shard_size=max_shard_size, verify_checksums=verify_checksums)
-    from safetensors.torch import save_file
-
     tensors = _unique(_load_full(model["path"]))
-    if sum(v.numel() * v.element_size() for v in tensors.values()) > parse_size(max_shard_size):
-        raise CheckpointError(f"{model['path']}: larger than --max-shard-size; splitting a full file is not supported, "
-                              "raise --max-shard-size")
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".{SAFE_NAME}.tmp-{uuid.uuid4().hex[:8]}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, SAFE_NAME))
-    return [os.path.join(out_dir, SAFE_NAME)]
+    return write_hf_safetensors(out_dir, tensors, lambda names: {k: tensors[k] for k in names}, max_shard_size)
 
 
 def _load_full(path: str) -> Dict[str, Any]:

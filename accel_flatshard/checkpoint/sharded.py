@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional
 import torch.nn as nn
 
 from ._dcp_io import load_entries, open_checkpoint, save_entries
-from ._files import CheckpointError, dtype_to_str
-from ._index import ModelIndex, quiesce
+from ..state_dict.index import ModelIndex, quiesce
+from ..state_dict.types import CheckpointError, dtype_to_str
 from ._planner import Entry, FlatRange
 
 __all__ = ["save_sharded_model", "load_sharded_model"]

@@ -268,7 +268,7 @@ class Accelerator(_BaseAccelerator):
         """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded, but
         its ``state_dict()`` gathers the full one (collective: call on every rank; rank 0 gets it, the
         others ``{}``), so ``save_pretrained(dir, is_main_process=...)`` on every rank writes the full
-        model; called on the main process only it fails within seconds (see ``full_state_dict_hook``)."""
+        model; called on the main process only it fails within seconds (see ``state_dict/module_hooks.py``)."""
         if isinstance(model, FullyShardedDataParallel):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)

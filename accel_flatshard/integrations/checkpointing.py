@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state
@@ -31,8 +31,8 @@ from accelerate.checkpointing import save_custom_state
 from ..fully_sharded import FullyShardedDataParallel
 from . import fsdp_utils_shim
 
-if TYPE_CHECKING:
-    from .accelerate import Accelerator
+# the Accelerator (integrations/accelerate.py, which imports this module): typed loosely to keep imports one-way
+Accelerator = Any
 
 logger = logging.getLogger(__name__)
 

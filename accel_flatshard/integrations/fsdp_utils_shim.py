@@ -15,8 +15,8 @@ tools (``accelerate merge-weights``) and the Trainer's checkpoint detection keep
 * SHARDED_STATE_DICT: ``pytorch_model_fsdp_{i}/`` (a DCP directory written by every rank, keys
   ``model.<name>``) and ``optimizer_{i}/``;
 * FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` / ``pytorch_model_fsdp_{i}.bin`` (i > 0) and
-  ``optimizer.bin`` / ``optimizer_{i}.bin``, written by rank 0 with ``torch.save`` (write to a
-  temporary name, then rename: a crash never leaves a truncated file).
+  ``optimizer.bin`` / ``optimizer_{i}.bin``, written by rank 0 with ``torch.save`` through
+  ``checkpoint.atomic.write_atomic`` (a crash never leaves a truncated file).
 
 Loading looks at what is on disk (a run may switch ``state_dict_type`` between save and load, as the
 transformers docs advise for the final save), rank 0 deciding for everyone.
@@ -35,10 +35,12 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import fsdp_utils as _accelerate_fsdp_utils
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
-from ..fully_sharded import FullyShardedDataParallel
+from .. import comm
+from ..checkpoint.atomic import write_atomic
+from ..state_dict.registry import find_wrapper
 
 __all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer", "install",
-           "model_file_name", "model_dir_name", "optimizer_file_name", "optimizer_dir_name"]
+           "model_file_name", "state_dict_type_name", "model_dir_name", "optimizer_file_name", "optimizer_dir_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,23 +73,15 @@ def optimizer_dir_name(index: int) -> str:
 
 
 # ---------------------------------------------------------------------- helpers
-def find_wrapper(accelerator: Any, model: Any) -> Optional[FullyShardedDataParallel]:
-    """The accel_flatshard wrapper of ``model`` (the wrapper itself or the module it wraps), else None."""
-    if isinstance(model, FullyShardedDataParallel):
-        return model
-    for m in getattr(accelerator, "_models", []):
-        if isinstance(m, FullyShardedDataParallel) and m.module is model:
-            return m
-    return None
-
-
 def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
 
-def _state_dict_type(fsdp_plugin: Any) -> str:
+def state_dict_type_name(fsdp_plugin: Any) -> str:
+    """``"FULL_STATE_DICT"`` or ``"SHARDED_STATE_DICT"`` from a plugin's ``state_dict_type`` (enum, name or
+    None = FULL); ValueError for the others."""
     sdt = getattr(fsdp_plugin, "state_dict_type", None)
     name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
     if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
@@ -110,20 +104,9 @@ def _is_main(accelerator: Any) -> bool:
     return accelerator.process_index == 0
 
 
-def _agree(accelerator: Any, value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if accelerator.num_processes <= 1:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """Write to a temporary name, then rename: a crash never leaves a truncated checkpoint file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` through the atomic writer: a crash never leaves a truncated checkpoint file."""
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _layout(accelerator: Any, directory: str, dir_name: str, file_name: str, what: str) -> str:
@@ -133,7 +116,7 @@ def _layout(accelerator: Any, directory: str, dir_name: str, file_name: str, wha
                  else "full" if os.path.isfile(os.path.join(directory, file_name)) else None)
     else:
         found = None
-    found = _agree(accelerator, found)
+    found = comm.broadcast_object(torch.distributed.group.WORLD if accelerator.num_processes > 1 else None, found)
     if found is None:
         raise FileNotFoundError(
             f"{directory} holds neither {dir_name}/ (SHARDED_STATE_DICT) nor {file_name} (FULL_STATE_DICT): "
@@ -156,7 +139,7 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
 
     ``adapter_only`` (PEFT) is accepted and the whole model is written (a superset of the adapter that
     loads back the same way)."""
-    wrapped = find_wrapper(accelerator, model)
+    wrapped = find_wrapper(model)
     if wrapped is None:
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
@@ -164,7 +147,7 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
 
     _check_use_dcp(use_dcp, "save_fsdp_model")
     os.makedirs(output_dir, exist_ok=True)
-    if _state_dict_type(fsdp_plugin) == "SHARDED_STATE_DICT":
+    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
         path = os.path.join(output_dir, model_dir_name(model_index))
         logger.info(f"Saving model to {path}")
         save_sharded_model(wrapped, path)
@@ -181,14 +164,14 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
                     adapter_only: bool = False, use_dcp: bool = True) -> Any:
     """accelerate's ``load_fsdp_model`` for accel_flatshard models; SHARDED or FULL is read from disk."""
-    wrapped = find_wrapper(accelerator, model)
+    wrapped = find_wrapper(model)
     if wrapped is None:
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     from ..checkpoint import load_full_state_dict, load_sharded_model
 
     _check_use_dcp(use_dcp, "load_fsdp_model")
-    _state_dict_type(fsdp_plugin)
+    state_dict_type_name(fsdp_plugin)
     accelerator.wait_for_everyone()
     input_dir = _input_dir(input_dir, model_dir_name(model_index))
     layout = _layout(accelerator, input_dir, model_dir_name(model_index), model_file_name(model_index), "model")
@@ -206,7 +189,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, output_dir: str,
                         optimizer_index: int = 0, use_dcp: bool = True) -> None:
     """accelerate's ``save_fsdp_optimizer`` for optimizers of accel_flatshard models (collective)."""
-    wrapped = find_wrapper(accelerator, model)
+    wrapped = find_wrapper(model)
     if wrapped is None:
         return _ORIGINALS["save_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, output_dir,
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
@@ -215,7 +198,7 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     _check_use_dcp(use_dcp, "save_fsdp_optimizer")
     os.makedirs(output_dir, exist_ok=True)
     optimizer = plain_optimizer(optimizer)
-    if _state_dict_type(fsdp_plugin) == "SHARDED_STATE_DICT":
+    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
         path = os.path.join(output_dir, optimizer_dir_name(optimizer_index))
         logger.info(f"Saving Optimizer state to {path}")
         save_sharded_optimizer(wrapped, optimizer, path)
@@ -232,7 +215,7 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, input_dir: str,
                         optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
     """accelerate's ``load_fsdp_optimizer`` for optimizers of accel_flatshard models; layout read from disk."""
-    wrapped = find_wrapper(accelerator, model)
+    wrapped = find_wrapper(model)
     if wrapped is None:
         return _ORIGINALS["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, input_dir,
                                                  optimizer_index=optimizer_index, adapter_only=adapter_only,
@@ -240,7 +223,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     from ..checkpoint import load_full_optim_state_dict, load_sharded_optimizer
 
     _check_use_dcp(use_dcp, "load_fsdp_optimizer")
-    _state_dict_type(fsdp_plugin)
+    state_dict_type_name(fsdp_plugin)
     accelerator.wait_for_everyone()
     optimizer = plain_optimizer(optimizer)
     input_dir = _input_dir(input_dir, optimizer_dir_name(optimizer_index))

@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..full_state_dict_hook import local_state_dict, require_all_ranks
-from ._files import CheckpointError
-from ._index import ModelIndex, agree_on_error, quiesce
+from .. import comm
+from .index import ModelIndex, dict_mode, plan_on_every_rank, quiesce
+from .registry import local_state_dict, require_all_ranks
+from .types import CheckpointError
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -99,84 +99,33 @@ def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]],
     quiesce(model, "load_full_state_dict")
     index = ModelIndex(model)
     group = index.group
-    world = group.world_group
-    mode = _agree_on_mode(group, state_dict is not None)
-    if mode == "broadcast":
-        plan = None
-        if group.world_rank == 0:
-            try:
-                plan = _validate(index, state_dict, strict)
-            except Exception as e:  # noqa: BLE001 - sent to every rank below
-                plan = f"{type(e).__name__}: {e}"
-        box: List[Any] = [plan]
-        dist.broadcast_object_list(box, src=_global_rank0(world), group=world)
-        plan = box[0]
-        if isinstance(plan, str):
-            raise CheckpointError(plan)
-    else:
-        try:
-            plan = _validate(index, state_dict, strict)
-            error = plan if isinstance(plan, str) else None
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"{type(e).__name__}: {e}"
-        agree_on_error(world if group.world_size > 1 else None, error)
-    sources: Dict[str, str] = plan  # canonical name or buffer name -> key in the dict to read
+    if group.world_size == 1 and state_dict is None:
+        raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
+    mode = dict_mode(group, state_dict is not None, "load_full_state_dict")
+    sources: Dict[str, str] = plan_on_every_rank(group, mode, lambda: _validate(index, state_dict, strict))
+
+    def value_of(key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if mode == "local":
+            return state_dict[key].detach().reshape(-1)
+        buf = (state_dict[key].detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
+               if group.world_rank == 0 else torch.empty(numel, dtype=dtype, device=device))
+        return comm.broadcast_tensor(group.world_group, buf)
+
     with torch.no_grad():
         for name, info in index.params.items():
-            if name not in sources:
-                continue
-            piece = info.piece
-            local = info.local()
-            if mode == "broadcast":
-                buf = _broadcast_flat(state_dict[sources[name]] if group.world_rank == 0 else None,
-                                      info.numel, info.dtype, info.flat.device, world)
-            else:
-                buf = state_dict[sources[name]].detach().reshape(-1)
-            local.copy_(buf[piece.param_start : piece.param_start + piece.length])
-        for name, buf_tensor in index.buffers.items():
-            if name not in sources:
-                continue
-            if mode == "broadcast":
-                value = _broadcast_flat(state_dict[name] if group.world_rank == 0 else None,
-                                        buf_tensor.numel(), buf_tensor.dtype, buf_tensor.device, world)
-            else:
-                value = state_dict[name].detach().reshape(-1)
-            buf_tensor.copy_(value.view(buf_tensor.shape))
+            if name in sources:
+                piece = info.piece
+                buf = value_of(sources[name], info.numel, info.dtype, info.flat.device)
+                info.local().copy_(buf[piece.param_start : piece.param_start + piece.length])
+        for name, tensor in index.buffers.items():
+            if name in sources:
+                tensor.copy_(value_of(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape))
 
 
-def _global_rank0(world) -> int:
-    return dist.get_global_rank(world, 0) if world is not dist.group.WORLD else 0
-
-
-def _agree_on_mode(group, has_dict: bool) -> str:
-    if group.world_size == 1:
-        if not has_dict:
-            raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
-        return "local"
-    flags: List[Any] = [None] * group.world_size
-    dist.all_gather_object(flags, has_dict, group=group.world_group)
-    if all(flags):
-        return "local"
-    if flags[0] and not any(flags[1:]):
-        return "broadcast"
-    raise CheckpointError(
-        "load_full_state_dict: pass the state dict on every rank, or on rank 0 only (None elsewhere); "
-        f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
-
-
-def _broadcast_flat(t: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device, world) -> torch.Tensor:
-    if t is not None:
-        buf = t.detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
-    else:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-    dist.broadcast(buf, src=_global_rank0(world), group=world)
-    return buf
-
-
-def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Any:
-    """Which dict key feeds each parameter/buffer, or an error message naming every problem."""
+def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Dict[str, str]:
+    """Which dict key feeds each parameter/buffer; raises a CheckpointError naming every problem."""
     if not isinstance(sd, dict):
-        return f"load_full_state_dict: expected a dict, got {type(sd).__name__}"
+        raise CheckpointError(f"load_full_state_dict: expected a dict, got {type(sd).__name__}")
     problems: List[str] = []
     missing = [k for k in index.keys if k not in sd and k not in index.extra]
     unexpected = [k for k in sd if k not in index.param_of_key and k not in index.buffers and k not in index.extra]
@@ -200,7 +149,7 @@ def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Any:
     if strict and unexpected:
         problems.insert(0, f"unexpected keys: {unexpected}")
     if problems:
-        return "error(s) loading a full state dict into " + type(index.module).__name__ + ":\n  " + "\n  ".join(problems)
+        raise CheckpointError("error(s) loading a full state dict into " + type(index.module).__name__ + ":\n  " + "\n  ".join(problems))
     return sources
 
 

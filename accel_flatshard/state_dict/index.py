@@ -13,10 +13,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
+
+from .. import comm
+from .registry import local_state_dict
+from .types import CheckpointError, agree, dtype_to_str
 
 
 @dataclass
@@ -60,8 +64,6 @@ class ModelIndex:
         self.buffers: Dict[str, torch.Tensor] = {}
         self.extra: Dict[str, Any] = {}
         self.keys: List[str] = []
-        from ..full_state_dict_hook import local_state_dict
-
         with local_state_dict(self.module):
             local = self.module.state_dict(keep_vars=True)
         for key, value in local.items():
@@ -100,8 +102,6 @@ class ModelIndex:
 
     def describe(self) -> Dict[str, Any]:
         """The JSON description of the model's tensors (canonical names, shapes, dtypes, aliases)."""
-        from ._files import dtype_to_str
-
         tensors: Dict[str, Any] = {}
         for name, info in self.params.items():
             tensors[name] = {"kind": "param", "shape": list(info.shape), "dtype": dtype_to_str(info.dtype),
@@ -123,25 +123,32 @@ def param_names(module: nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def agree_on_error(group: Optional[Any], error: Union[None, str, BaseException]) -> None:
-    """Collective: raise on every rank if any rank had an error (so no rank is left waiting in the
-    next collective).  A rank re-raises its own exception; the others raise a
-    :class:`CheckpointError` (or :class:`UnsafeCheckpointError`) carrying the first failing rank's
-    message.  ``group``: a process group, or None for a single process."""
-    import torch.distributed as dist
+def dict_mode(group, has_dict: bool, what: str) -> str:
+    """Collective: ``"local"`` when every rank passed a dict, ``"broadcast"`` when only global rank 0 did
+    (its tensors are then broadcast one at a time); otherwise an error on every rank."""
+    flags = comm.all_gather_object(group.world_group if group.world_size > 1 else None, has_dict)
+    if all(flags):
+        return "local"
+    if flags[0] and not any(flags[1:]):
+        return "broadcast"
+    raise CheckpointError(f"{what}: pass the dict on every rank, or on rank 0 only (None elsewhere); "
+                          f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
 
-    from ._files import CheckpointError, UnsafeCheckpointError
 
-    if isinstance(error, str):
-        error = CheckpointError(error)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        mine = None if error is None else (type(error).__name__, str(error))
-        everyone: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
-        if failed and error is None:
-            rank, (cls, message) = failed[0]
-            kind = UnsafeCheckpointError if cls == "UnsafeCheckpointError" else CheckpointError
-            raise kind(f"rank {rank} failed: {message}")
-    if error is not None:
-        raise error
+def plan_on_every_rank(group, mode: str, make_plan) -> Any:
+    """``make_plan()`` (which raises CheckpointError/ValueError for a bad dict) run where the dict is: on
+    rank 0 then broadcast (``mode == "broadcast"``), or on every rank with the error agreed on."""
+    error = plan = None
+    if mode == "local" or group.world_rank == 0:
+        try:
+            plan = make_plan()
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    world = group.world_group if group.world_size > 1 else None
+    if mode == "broadcast":
+        plan, error = comm.broadcast_object(world, (plan, error))
+        if error is not None:
+            raise CheckpointError(error)
+        return plan
+    agree(world, error)
+    return plan

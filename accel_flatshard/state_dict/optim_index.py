@@ -21,10 +21,10 @@ import math
 from typing import Any, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ._files import CheckpointError, dtype_to_str, str_to_dtype
-from ._index import ModelIndex, ParamInfo
+from .. import comm
+from .index import ModelIndex, ParamInfo
+from .types import CheckpointError, dtype_to_str, str_to_dtype
 
 SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
 _SKIP_GROUP_KEYS = ("params", "param_names")
@@ -68,11 +68,7 @@ def local_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer
 
 def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer, shard_group) -> Dict[str, Dict[str, Tuple]]:
     """The union of every rank's state schema (collective when the world size is > 1)."""
-    mine = local_schema(groups, optimizer)
-    if shard_group.world_size == 1:
-        return mine
-    everyone: List[Any] = [None] * shard_group.world_size
-    dist.all_gather_object(everyone, mine, group=shard_group.world_group)
+    everyone = comm.all_gather_object(shard_group.world_group, local_schema(groups, optimizer))
     merged: Dict[str, Dict[str, Tuple]] = {}
     for schema in everyone:
         for fqn, entry in schema.items():

@@ -31,12 +31,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ._files import CheckpointError, str_to_dtype
-from ._index import ModelIndex, agree_on_error, param_names, quiesce
-from ._optim_index import (
+from .. import comm
+from .index import ModelIndex, dict_mode, param_names, plan_on_every_rank, quiesce
+from .types import CheckpointError, str_to_dtype
+from .optim_index import (
     SCALAR,
     SHARDED,
     VALUE,
@@ -133,31 +133,8 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     world = group.world_group
     groups = optimizer_groups(index, optimizer)
     names = [[i.fqn for i in infos] for infos in groups]
-    has: List[Any] = [optim_state_dict is not None]
-    if group.world_size > 1:
-        has = [None] * group.world_size
-        dist.all_gather_object(has, optim_state_dict is not None, group=world)
-    if all(has):
-        broadcast = False
-    elif has[0] and not any(has[1:]):
-        broadcast = True
-    else:
-        raise CheckpointError("load_full_optim_state_dict: pass the dict on every rank or on rank 0 only; "
-                              f"got it on ranks {[r for r, h in enumerate(has) if h]}")
-    plan: Any = None
-    if not broadcast or group.world_rank == 0:
-        try:
-            plan = _plan(index, names, optim_state_dict)
-        except CheckpointError as e:
-            plan = str(e)
-    if broadcast:
-        box = [plan]
-        dist.broadcast_object_list(box, src=_src(world), group=world)
-        plan = box[0]
-        if isinstance(plan, str):
-            raise CheckpointError(plan)
-    else:
-        agree_on_error(world if group.world_size > 1 else None, plan if isinstance(plan, str) else None)
+    broadcast = dict_mode(group, optim_state_dict is not None, "load_full_optim_state_dict") == "broadcast"
+    plan = plan_on_every_rank(group, "broadcast" if broadcast else "local", lambda: _plan(index, names, optim_state_dict))
     schema, hyper = plan
     state: Dict[str, Dict[str, Any]] = {}
     for fqn, entry in schema.items():
@@ -170,7 +147,7 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
                     full = torch.empty(info.numel, dtype=str_to_dtype(dtype), device=info.flat.device)
                     if src is not None:
                         full.copy_(src.detach().reshape(-1))
-                    dist.broadcast(full, src=_src(world), group=world)
+                    comm.broadcast_tensor(world, full)
                 else:
                     full = optim_state_dict["state"][fqn][key].detach().reshape(-1)
                 piece = info.piece
@@ -181,10 +158,6 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
                 out[key] = value
         state[fqn] = out
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
-
-
-def _src(world) -> int:
-    return 0 if world is dist.group.WORLD else dist.get_global_rank(world, 0)
 
 
 def _plan(index: ModelIndex, names: List[List[str]], osd: Any):

@@ -1,0 +1,94 @@
+"""The one way this project writes files: atomically and durably.
+
+* :func:`write_atomic` - a temporary file in the target's directory, written, flushed and fsynced, renamed
+  over the target with ``os.replace``, then the directory fsynced: after a crash the target is the old
+  file or the new one, never a truncated mix.
+* :func:`commit_dir` - the same for a directory built as ``<dir>.tmp-<random>`` (:func:`new_tmp_dir`):
+  its entries are fsynced, a previous ``<dir>`` is renamed to ``<dir>.old-<random>``, the new one renamed
+  in, the parent fsynced, the old one deleted.  A crash between the two renames leaves the previous
+  checkpoint complete under the ``.old-`` name (``_files.resolve_checkpoint_dir`` finds it).
+
+Example::
+
+    write_atomic("out/model.safetensors", lambda tmp: save_file(tensors, tmp))
+    write_atomic("out/index.json", lambda tmp: open(tmp, "w").write(text))   # closed by the writer
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Callable, Dict
+
+__all__ = ["write_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir", "fsync_dir", "remove_dir_quietly"]
+
+
+def _tmp_name(path: str) -> str:
+    return f"{os.path.normpath(path)}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames and new entries in directory ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp_path)`` creates the file; it is then fsynced and renamed to ``path`` (see module doc)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def write_json_atomic(path: str, obj: Dict[str, Any], indent: int = 1) -> None:
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent)
+
+    write_atomic(path, dump)
+
+
+def new_tmp_dir(final: str) -> str:
+    """A fresh sibling path ``<final>.tmp-<random>`` (not created)."""
+    return _tmp_name(final)
+
+
+def commit_dir(tmp: str, final: str) -> None:
+    """Move the finished directory ``tmp`` to ``final``, replacing a previous checkpoint there."""
+    final = os.path.normpath(final)
+    parent = os.path.dirname(os.path.abspath(final))
+    fsync_dir(tmp)
+    old = None
+    if os.path.lexists(final):
+        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for leftover in glob.glob(glob.escape(final) + ".old-*"):  # from an earlier interrupted replace
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_dir_quietly(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

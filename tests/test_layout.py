@@ -1,0 +1,113 @@
+"""The package's shape: no import circles (also through lazy in-function imports), state_dict/ stays below
+checkpoint/ and integrations/, and torch.distributed collectives are called only in comm.py."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parent.parent / "accel_flatshard"
+NAME = "accel_flatshard"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> Dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, known: Set[str]) -> Set[str]:
+    """Package modules that ``name`` imports anywhere in its file (top level, in functions, under TYPE_CHECKING)."""
+    is_package = path.name == "__init__.py"
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    out: Set[str] = set()
+
+    def add(target: str) -> None:
+        # the longest known module prefix (``from .x import y`` may name a module ``x.y`` or a symbol)
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(NAME):
+                    add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parent = base[: len(base) - node.level + 1]
+                module = ".".join(parent + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not module.startswith(NAME):
+                continue
+            for alias in node.names:
+                add(f"{module}.{alias.name}")
+    return out
+
+
+def _graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {name: _imports(name, path, known) for name, path in modules.items()}
+    return graph
+
+
+def _find_cycle(graph: Dict[str, Set[str]]) -> List[str]:
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(node: str) -> List[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    assert len(graph) > 30 and any(graph.values())  # the graph is really built
+    cycle = _find_cycle(graph)
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_state_dict_imports_neither_checkpoint_nor_integrations():
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith((f"{NAME}.checkpoint", f"{NAME}.integrations")))
+           for m, deps in graph.items() if m.startswith(f"{NAME}.state_dict")}
+    assert not any(bad.values()), bad
+
+
+def test_collectives_only_in_comm():
+    pattern = re.compile(r"\bdist\.(all_gather\w*|reduce_scatter\w*|all_reduce|broadcast\w*|barrier|monitored_barrier"
+                         r"|isend|irecv|send|recv|new_group)\b|torch\.distributed\.(broadcast\w*|all_gather\w*|barrier)\b")
+    offenders = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in PACKAGE.rglob("*.py") if p.name != "comm.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
