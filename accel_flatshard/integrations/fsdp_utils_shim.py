@@ -27,7 +27,7 @@ import collections
 import logging
 import os
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 import torch.nn as nn

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .registry import local_state_dict
+from .registry import find_wrapper, local_state_dict
 from .types import CheckpointError, agree, dtype_to_str
 
 
@@ -50,7 +50,7 @@ class ModelIndex:
     """Parameters (by canonical name), buffers and state-dict key order of a wrapped model."""
 
     def __init__(self, model: nn.Module) -> None:
-        if not hasattr(model, "flat_params") or not hasattr(model, "shard_group"):
+        if find_wrapper(model) is not model:
             raise TypeError(f"expected an accel_flatshard FullyShardedDataParallel model, got {type(model).__name__}")
         self.model = model
         self.module: nn.Module = model.module
