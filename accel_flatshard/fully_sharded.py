@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import full_state_dict_hook
+from . import full_state_dict_hook, options
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
@@ -264,6 +264,7 @@ class FullyShardedDataParallel(nn.Module):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
         _check_not_wrapped(module)
+        options.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _target_device(module, self.shard_group, device_id)
