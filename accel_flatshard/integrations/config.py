@@ -14,7 +14,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-import torch
 import torch.nn as nn
 
 from .. import options
