@@ -28,3 +28,9 @@ def tensors_in(tree: Any) -> List[torch.Tensor]:
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return _tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch (autograd / kineto) profiler is recording: record_function spans are skipped otherwise
+    (about 0.1 us for this check against about 6 us for an unobserved record_function on a busy CPU)."""
+    return torch._C._autograd._profiler_enabled()

@@ -9,13 +9,12 @@ shards, reduce-scatter of gradients, all-reduce across replicas - each returning
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+from . import options
 
 
 class _Done:
@@ -106,12 +105,11 @@ class ShardGroup:
         # straight into / out of the slots takes 99 ms (benchmarks/comm_bench.py).  On gloo both run as
         # point-to-point batches; FLATSHARD_GLOO_P2P=0 falls back to the collectives, and then
         # FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE=1 reduces by all-reduce + slice.
-        env = os.environ.get("FLATSHARD_GLOO_P2P")
-        self.via_p2p = (env == "1") if env is not None else (self.uses_gloo and not self.uses_nccl)
+        p2p = options.get("FLATSHARD_GLOO_P2P")
+        self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
         self.all_gather_via_p2p = self.via_p2p
         if reduce_scatter_via_all_reduce is None:
-            env = os.environ.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
-            reduce_scatter_via_all_reduce = (env == "1") if env is not None else False
+            reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
@@ -233,8 +231,7 @@ def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout=None) -
     peer makes the others raise instead of hanging forever.
     """
     if timeout is None:
-        env = os.environ.get("FLATSHARD_TIMEOUT_S")
-        timeout = datetime.timedelta(seconds=float(env)) if env else DEFAULT_TIMEOUT
+        timeout = datetime.timedelta(seconds=options.get("FLATSHARD_TIMEOUT_S"))
     mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
     return mine
 

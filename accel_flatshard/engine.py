@@ -32,7 +32,7 @@ import torch
 
 from .comm import ShardGroup
 from .flat_param import FlatParameter
-from .profiler import NULL_PROFILER
+from .profiler import span
 from .streams import streams_for
 
 
@@ -63,7 +63,6 @@ class Engine:
         device: torch.device,
         reduce_dtype: Optional[torch.dtype] = None,
         max_inflight_all_gathers: int = 2,
-        profiler=NULL_PROFILER,
         max_pending_reductions: int = 2,
         streams: Any = None,
     ) -> None:
@@ -79,7 +78,6 @@ class Engine:
         self.max_pending_reductions = max(1, max_pending_reductions)
         self.predivide = float(gradient_predivide_factor(group.world_size))
         self.postdivide = group.world_size / self.predivide
-        self.profiler = profiler
         self.all_gather_stream = self.streams.side_stream("all_gather")
         self.reduce_scatter_stream = self.streams.side_stream("reduce_scatter")
         self.replica_stream = self.streams.side_stream("replica_all_reduce") if group.is_hybrid else None
@@ -102,7 +100,7 @@ class Engine:
             self.wait_unshard(self._gather_order[0])
         self._wait_for_freed_buffers()
         s = self.streams
-        with self.profiler.span("all_gather_issue", label):
+        with span("all_gather", label):
             with s.on(self.all_gather_stream):
                 out = flat.alloc_unsharded()
                 s.note_alloc(out, "unsharded", flat)
@@ -116,7 +114,7 @@ class Engine:
     def _wait_for_freed_buffers(self) -> None:
         """CUDA: block the host until the compute stream is done with all but the newest freed buffers."""
         while len(self._free_events) >= self.max_inflight:
-            with self.profiler.span("all_gather_rate_limit"):
+            with span("all_gather_rate_limit"):
                 self.streams.synchronize(self._free_events.popleft())
 
     def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
@@ -126,7 +124,7 @@ class Engine:
             return
         handle, issued_label = entry
         self._gather_order.remove(flat)
-        with self.profiler.span("all_gather_wait", issued_label):
+        with span("wait_all_gather", issued_label):
             _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
 
     def unshard_now(self, flat: FlatParameter, label: str = "") -> None:
@@ -161,7 +159,7 @@ class Engine:
         while len(self._reduces) >= self.max_pending_reductions:
             self._complete_reduction(self._reduces.popleft())
         dtype = self.reduce_dtype or full_grad.dtype
-        with self.profiler.span("reduce_scatter_issue", label):
+        with span("reduce_scatter", label):
             # on the compute stream, where the gradient was produced: it can be dropped once the compute
             # stream waited for the reduction, without record_stream
             full = full_grad.to(dtype)
@@ -200,7 +198,7 @@ class Engine:
 
     def _complete_reduction(self, r: _PendingReduce) -> None:
         """The reduce-scatter of ``r`` is waited for; its full gradient is dropped."""
-        with self.profiler.span("reduce_scatter_wait", r.label):
+        with span("wait_reduce_scatter", r.label):
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
             if not self.use_streams:
                 self.group.take_reduced_shard(r.shard_out, r.full_grad)
@@ -218,10 +216,11 @@ class Engine:
             return
         compute = self.streams.compute_stream()
         scale = 1.0 / self.postdivide
-        with self.profiler.span("reduce_scatter_wait"):
-            for r in done:
-                if r.replicas is not None:
-                    _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+        if any(r.replicas is not None for r in done):
+            with span("wait_replica_all_reduce"):
+                for r in done:
+                    if r.replicas is not None:
+                        _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
         for r in done:
             # allocated on the reduce-scatter stream, kept as the sharded gradient used on the compute stream
             self.streams.record_stream(r.shard_out, compute)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import options
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
@@ -24,7 +25,7 @@ from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
 from .outside_reads import enable_outside_reads
-from .profiler import profiler_for
+from .profiler import begin_span, end_span, start_from_env
 from .state_dict import module_hooks
 from .unit import BackwardPrefetch, Unit, UnitState
 from .wrap import Policy, select_units
@@ -58,6 +59,9 @@ class _RootState:
         self._warned_order = False
         self.in_forward = False
         self._outside_reads: List[Unit] = []  # units read outside their forward in this forward (outside_reads.py)
+        # open flatshard::forward / flatshard::backward profiler spans (None unless a torch.profiler runs)
+        self._forward_span: Any = None
+        self._backward_span: Any = None
 
     # ------------------------------------------------------------------ forward
     def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
@@ -66,6 +70,8 @@ class _RootState:
                 return args, kwargs  # the root itself recomputed under activation checkpointing
             self._abandon_backward()
 
+        end_span(self._forward_span)  # still open if the previous forward raised
+        self._forward_span = begin_span("forward")
         self._reshard_leftovers()
         self.engine.begin_step()
         self._end_outside_reads()  # left over by a forward that raised
@@ -127,6 +133,8 @@ class _RootState:
         if not torch.is_grad_enabled():
             for unit in self.units:  # no backward follows: free everything
                 unit.reshard()
+        end_span(self._forward_span)
+        self._forward_span = None
 
     # ------------------------------------------------------------------ reads from outside a unit's forward
     def accepts_outside_reads(self) -> bool:
@@ -147,6 +155,7 @@ class _RootState:
         if not self._callback_queued:
             self._callback_queued = True
             self.in_backward = True
+            self._backward_span = begin_span("backward")
             _ROOTS_IN_BACKWARD.add(self)
             queue_end_of_backward_callback(self.finish_backward)
             for unit in self.units:
@@ -173,6 +182,8 @@ class _RootState:
         self.in_backward = False
         self._callback_queued = False
         _ROOTS_IN_BACKWARD.discard(self)
+        end_span(self._backward_span)
+        self._backward_span = None
 
     def _abandon_backward(self) -> None:
         """A backward that raised never ran our end-of-backward callback: finish the collectives it started
@@ -255,7 +266,6 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = True,
         param_init_fn: Optional[ParamInitFn] = None,
         limit_all_gathers: int = 2,
-        profiler=None,
         device_id: Optional[Union[int, torch.device]] = None,
     ) -> None:
         super().__init__()
@@ -264,14 +274,15 @@ class FullyShardedDataParallel(nn.Module):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
         _check_not_wrapped(module)
+        options.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _target_device(module, self.shard_group, device_id)
         _check_device(device, self.shard_group, module)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
-        profiler = profiler_for(profiler)  # given one, else FLATSHARD_PROFILE, else the no-op profiler
-        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler)
+        start_from_env(self.shard_group.world_rank)  # FLATSHARD_PROFILE: one torch.profiler per process
+        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers)
         self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
@@ -298,7 +309,6 @@ class FullyShardedDataParallel(nn.Module):
                 enable_outside_reads(unit)  # e.g. TRL's fused LM head reads lm_head.weight in the root's forward
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
-        profiler.attach(self)
         module_hooks.install(self)  # state_dict() of the wrapper and of the module gathers (collective)
 
     # ------------------------------------------------------------------ construction helpers

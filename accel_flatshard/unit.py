@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ._compat import tensors_in
 from .flat_param import FlatParameter
+from .profiler import begin_span, end_span
 
 class RootState(Protocol):
     """What a unit uses of the step-level state of its wrapper (``fully_sharded._RootState``)."""
@@ -92,6 +93,7 @@ class Unit:
         self._installed_by_recompute = False
         self._outside_read_pending = False  # read from outside in the running forward (read_outside_forward)
         self._needed_by_backward = False  # read from outside in a forward with grad, its backward still to come
+        self._forward_span: Any = None  # the open flatshard::forward[name] profiler span, if a profiler runs
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
@@ -135,6 +137,9 @@ class Unit:
                 self._installed_by_recompute = True
             return args, kwargs
         self.state = UnitState.FORWARD
+        if not self.is_root:  # (the root's forward is the flatshard::forward span, opened by the root state)
+            end_span(self._forward_span)  # still open if the unit's previous forward raised
+            self._forward_span = begin_span(f"forward[{self.name}]")
         self.unshard()
         self.wait_unshard()
         self.root.on_unit_forward(self)
@@ -173,6 +178,8 @@ class Unit:
                 self.reshard()
         if self.is_root:
             self.root.post_root_forward()
+        end_span(self._forward_span)
+        self._forward_span = None
         return output
 
     def _hook_outputs_for_backward(self, output: Any) -> None:

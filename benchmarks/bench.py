@@ -93,17 +93,17 @@ def block_classes(model: torch.nn.Module):
 class Runner:
     """One engine's model + optimizer on this rank."""
 
-    def __init__(self, name: str, model: torch.nn.Module, profiler=None) -> None:
-        self.name, self.model, self.profiler = name, model, profiler
+    def __init__(self, name: str, model: torch.nn.Module) -> None:
+        self.name, self.model = name, model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        if profiler is not None:
-            profiler.attach(model, self.opt)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
-        loss = self.model(input_ids=x, labels=x).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        # under --profile each engine's steps are one span kind: the phase table of one engine reads its own
+        with torch.profiler.record_function(f"bench::step[{self.name}]"):
+            loss = self.model(input_ids=x, labels=x).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     def state_bytes(self) -> int:
@@ -154,15 +154,13 @@ def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, 
         return Runner(engine, model)
     if engine.startswith("ours"):
         from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-        from accel_flatshard.profiler import Profiler
 
         kwargs, post = patches.parse_variant(engine, model)
         kwargs.setdefault("auto_wrap_policy", transformer_auto_wrap_policy(model))
-        prof = Profiler(warmup=args.warmup) if args.profile else None
-        wrapped = FullyShardedDataParallel(model, profiler=prof, **kwargs)
+        wrapped = FullyShardedDataParallel(model, **kwargs)
         for fn in post:
             fn(wrapped)
-        return Runner(engine, wrapped, prof)
+        return Runner(engine, wrapped)
     raise ValueError(f"unknown engine {engine!r}; choose from ours[+opts], {', '.join(BASE_ENGINES)}")
 
 
@@ -197,8 +195,6 @@ def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> in
         runner.step(x)
         _sync(device)
         return torch.cuda.max_memory_allocated(device) - before
-    if runner.profiler is not None:
-        runner.profiler.track_memory = False  # it would reset the peak (VmHWM) at the step's end
     _malloc_trim()
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -208,6 +204,34 @@ def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> in
     before = _rss_kib("VmRSS")
     runner.step(x)
     return (_rss_kib("VmHWM") - before) * 1024
+
+
+def row_profiler(device: torch.device):
+    """--profile: a torch.profiler (CPU, and CUDA kernels on a GPU) over all steps of a row, started."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.start()
+    return prof
+
+
+def profile_tables(prof, runners: List[Runner], row: str, rank: int, args) -> Dict[str, str]:
+    """Stop ``prof``; the phase table of each of our engines (steps after warm-up, from its bench::step spans);
+    with --trace-dir the row's trace (every engine, side by side) as ``{row}_rank{rank}.json``."""
+    from accel_flatshard.profiler import phase_table, step_phases
+
+    prof.stop()
+    events = prof.events()
+    tables = {}
+    for r in runners:
+        if r.name.startswith("ours"):
+            steps = step_phases(events, step_prefix=f"bench::step[{r.name}]")[args.warmup :]
+            tables[r.name] = phase_table(steps, title=f"accel_flatshard profile, rank {rank}")
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace_dir, f"{row}_rank{rank}.json"))
+    return tables
 
 
 def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: bool) -> Optional[dict]:
@@ -227,6 +251,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     losses = {e: [] for e in engines}
     last: Dict[str, float] = {}
     cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute + gloo) per step
+    prof = row_profiler(device) if args.profile else None  # one torch.profiler over every engine's steps
     for s in range(total):
         x = data[s][rank * args.batch : (rank + 1) * args.batch].to(device)
         k = s % len(runners)
@@ -247,6 +272,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
         if rank == 0 and args.verbose:
             print(f"  [{row}] step {s}{' (warmup)' if s < args.warmup else ''}: "
                   + ", ".join(f"{e}={last[e]*1e3:.0f}ms" for e in engines), flush=True)
+    profiles = profile_tables(prof, runners, row, rank, args) if prof is not None else {}
     # slowest rank per step, mean loss over ranks
     t = torch.tensor([times[e] for e in engines], dtype=torch.float64)
     lo = torch.tensor([losses[e] for e in engines], dtype=torch.float64)
@@ -259,11 +285,6 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
         dist.all_reduce(lo)
         lo /= world
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    profiles = {r.name: r.profiler.summary() for r in runners if r.profiler is not None}
-    if args.trace_dir:
-        for r in runners:
-            if r.profiler is not None:
-                r.profiler.export_chrome_trace(os.path.join(args.trace_dir, f"{row}_{r.name}_rank{{rank}}.json"))
     del runners
     gc.collect()
     if rank != 0:
@@ -369,8 +390,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cpus // W, >= 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--fake-pg", action="store_true", help="one process, fake process group of --world-size ranks")
-    p.add_argument("--profile", action="store_true", help="attach accel_flatshard.Profiler to our engine and print it")
-    p.add_argument("--trace-dir", default=None, help="with --profile: write Chrome traces here")
+    p.add_argument("--profile", action="store_true", help="run a torch.profiler over the steps; print our engines' phase tables "
+                   "(it slows every engine: take the speed table from a run without it)")
+    p.add_argument("--trace-dir", default=None, help="with --profile: write each row's torch.profiler Chrome trace here "
+                   "(ROW_rankR.json, every engine side by side)")
     p.add_argument("--json", default=None, help="also write raw results here")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("-v", "--verbose", action="store_true", help="print every step's times")

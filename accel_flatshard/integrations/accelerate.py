@@ -46,6 +46,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
+from .. import options
 from ..fully_sharded import FullyShardedDataParallel
 from . import checkpointing, fsdp_utils_shim, trainer_shim
 from .multi_model import clip_grad_norm_over_models
@@ -59,8 +60,7 @@ _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 __all__ = ["Accelerator", "register"]
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
+_flag = options.env_flag
 
 
 class Accelerator(_BaseAccelerator):

@@ -4,8 +4,8 @@ Accelerate delivers the yaml's ``fsdp_config`` as ``FSDP_*`` environment variabl
 into a ``FullyShardedDataParallelPlugin`` whose fields are torch FSDP objects (``ShardingStrategy``,
 ``BackwardPrefetch``, torch wrap-policy functions, ``MixedPrecision``).  :func:`options_from_plugin`
 maps those fields onto :class:`FullyShardedDataParallel` arguments; the few options accelerate has
-no key for come from ``FLATSHARD_*`` environment variables (:data:`ENV_VARS`), validated up front so
-that a typo fails loudly instead of being ignored.
+no key for come from ``FLATSHARD_*`` environment variables (declared and validated in
+``accel_flatshard.options``), so that a typo fails loudly instead of being ignored.
 """
 from __future__ import annotations
 
@@ -14,47 +14,21 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-import torch
 import torch.nn as nn
 
+from .. import options
 from ..mixed_precision import MixedPrecision
 from ..unit import BackwardPrefetch
 from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-# Every FLATSHARD_* variable that accel_flatshard reads, with what it does.  Anything else that starts
-# with FLATSHARD_ is an error (a misspelt option would otherwise silently do nothing).
-ENV_VARS: Dict[str, str] = {
-    "FLATSHARD_GROUP_SIZE": "ranks per shard group with fsdp_sharding_strategy HYBRID_SHARD / _HYBRID_SHARD_ZERO2 "
-    "(default: processes per node, LOCAL_WORLD_SIZE)",
-    "FLATSHARD_LIMIT_ALL_GATHERS": "most all-gathers in flight per model (default 2)",
-    "FLATSHARD_REDUCE_DTYPE": "dtype of gradient reduction under mixed precision: fp32 | bf16 | fp16 "
-    "(default: the mixed-precision dtype, as accelerate's FSDP policy)",
-    "FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE": "1 | 0: reduce gradients with all-reduce + slice "
-    "(default: 1 on gloo, 0 otherwise; read by accel_flatshard.comm)",
-    "FLATSHARD_GLOO_P2P": "1 | 0: on gloo, all-gather and reduce-scatter by batched isend/irecv (default 1 on gloo)",
-    "FLATSHARD_TIMEOUT_S": "timeout in seconds of the shard/replica process groups accel_flatshard creates "
-    "(default 1800; read by accel_flatshard.comm)",
-    "FLATSHARD_STATE_DICT_TIMEOUT_S": "seconds rank 0 waits for the other ranks when the unwrapped model's "
-    "state_dict() / get_state_dict / save_model gathers (collective) before failing (default 5)",
-    "FLATSHARD_PROFILE": "directory: switch the profiler on and write one Chrome trace per rank there "
-    "(1: the table only)",
-    "FLATSHARD_PROFILE_EVERY": "with FLATSHARD_PROFILE: print the profiler table every N steps (default 10)",
-}
+_DTYPES = options.DTYPES
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-def check_env(environ: Optional[Mapping[str, str]] = None) -> None:
-    """Raise ``ValueError`` for a ``FLATSHARD_*`` variable that accel_flatshard does not know."""
-    environ = os.environ if environ is None else environ
-    unknown = sorted(k for k in environ if k.startswith("FLATSHARD_") and k not in ENV_VARS)
-    if unknown:
-        known = "\n".join(f"  {k}: {v}" for k, v in ENV_VARS.items())
-        raise ValueError(f"unknown accel_flatshard environment variable(s) {unknown}; the known ones are:\n{known}")
+# the FLATSHARD_* variables are declared and validated in accel_flatshard.options (unknown names are errors)
+check_env = options.check_environment
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    """LOCAL_WORLD_SIZE (set by the launcher) as a positive integer, or None."""
     value = environ.get(name)
     if value is None or value == "":
         return None
@@ -161,7 +135,7 @@ def options_from_plugin(
     opts = FlatShardOptions()
 
     strategy = _sharding_strategy(plugin)
-    group_size = _env_int(environ, "FLATSHARD_GROUP_SIZE")
+    group_size = options.get("FLATSHARD_GROUP_SIZE", environ)
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     opts.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     if hybrid:
@@ -231,7 +205,7 @@ def options_from_plugin(
     opts.sync_module_states = True if sync is None or opts.cpu_ram_efficient_loading else bool(sync)
 
     opts.mixed_precision = _mixed_precision(plugin, mixed_precision, environ)
-    limit = _env_int(environ, "FLATSHARD_LIMIT_ALL_GATHERS")
+    limit = options.get("FLATSHARD_LIMIT_ALL_GATHERS", environ)
     if limit is not None:
         opts.limit_all_gathers = limit
     return opts
@@ -299,11 +273,9 @@ def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, st
         param_dtype = reduce_dtype = buffer_dtype = _DTYPES[mixed_precision]
     elif mixed_precision not in ("no", None, "fp32"):
         raise ValueError(f"mixed_precision {mixed_precision!r} is not supported by accel_flatshard (no, bf16, fp16)")
-    override = environ.get("FLATSHARD_REDUCE_DTYPE")
-    if override:
-        if override.lower() not in _DTYPES:
-            raise ValueError(f"FLATSHARD_REDUCE_DTYPE={override!r}: expected one of fp32, bf16, fp16")
-        reduce_dtype = _DTYPES[override.lower()]
+    override = options.get("FLATSHARD_REDUCE_DTYPE", environ)
+    if override is not None:
+        reduce_dtype = override
         if param_dtype is None:
             warnings.warn("FLATSHARD_REDUCE_DTYPE has no effect without mixed precision", stacklevel=3)
             return None
@@ -323,11 +295,8 @@ def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, st
     """
     environ = os.environ if environ is None else environ
 
-    def flag(name: str) -> bool:
-        return str(environ.get(name, "false")).strip().lower() in ("1", "true", "yes", "y", "on")
-
-    efficient = flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
-    sync = flag("FSDP_SYNC_MODULE_STATES")
+    efficient = options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", environ)
+    sync = options.env_flag("FSDP_SYNC_MODULE_STATES", environ)
     saved = environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
     # FSDP2 has no sync_module_states (accelerate warns if it is given at all) and never needs a device
     kwargs = {} if str(environ.get("FSDP_VERSION", "1")).strip() == "2" else {"sync_module_states": False}

@@ -19,33 +19,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from typing import Any, Dict, Iterator, Optional
 
 import torch.nn as nn
 
-from .. import comm
+from .. import comm, options
 
 __all__ = ["register", "find_wrapper", "record_of", "local_state_dict", "require_all_ranks", "rendezvous_timeout_s"]
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 5.0
 # how long ranks other than 0 wait for rank 0 (which often arrives late: it writes config files first)
 _PEER_TIMEOUT = datetime.timedelta(minutes=30)
 _ATTR = "_flatshard_record"
 
 
 def rendezvous_timeout_s() -> float:
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: must be positive")
-    return seconds
+    return options.get(TIMEOUT_ENV)
 
 
 class ShardedModuleRecord:
