@@ -113,7 +113,7 @@ def transformer_auto_wrap_policy(
     """Wrap every transformer block as its own unit.
 
     ``transformer_auto_wrap_policy(model)`` takes the block classes from a Hugging Face model's
-    ``_no_split_modules``; ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
+    ``_no_split_modules`` (a model without them: its repeated blocks, :func:`repeated_block_classes`); ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
     ``transformer_auto_wrap_policy([MyBlock])`` gives the classes directly.
 
     Given a model whose input embedding and output head are *untied* (Llama), both become units too:
