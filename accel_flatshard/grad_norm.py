@@ -60,11 +60,16 @@ def clip_grad_norm_(
         total = local_sharded + (local_replicated if group.shard_rank == 0 else torch.zeros_like(local_replicated))
         group.all_reduce_shard_group(total)
     total_norm = total if is_inf else total ** (1.0 / norm_type)
-    # as torch.nn.utils.clip_grad_norm_: always multiply by the clamped coefficient
-    clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    for g in sharded + replicated:
-        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
+    scale_by_clip_coefficient(sharded + replicated, max_norm, total_norm)
     return total_norm.to(torch.float32)
+
+
+def scale_by_clip_coefficient(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_`` does (always multiplies, also by exactly 1)."""
+    clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
 
 
 def _partial_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

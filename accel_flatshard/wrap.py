@@ -9,11 +9,15 @@ builds) work here unchanged, and ours work with torch FSDP.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Iterable, List, Optional, Sequence, Set, Type, Union
 
 import torch.nn as nn
 
 Policy = Callable[[nn.Module, bool, int], bool]
+
+logger = logging.getLogger(__name__)
+_LOGGED_CHOICES: Set[str] = set()  # one log line per distinct choice per process
 
 
 def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, classes: tuple,
@@ -36,17 +40,15 @@ def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min
 
 
 def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) -> Set[Type[nn.Module]]:
-    """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``).
+    """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``, else
+    its repeated blocks: see :func:`repeated_block_classes`).
 
     Raises ``ValueError`` naming what was looked for when a name matches no submodule class.
     """
     if names is None:
         names = _no_split_modules(model)
         if not names:
-            raise ValueError(
-                f"{type(model).__name__} has no `_no_split_modules`; pass the transformer block classes "
-                "explicitly, e.g. transformer_auto_wrap_policy(model, ['LlamaDecoderLayer'])"
-            )
+            return repeated_block_classes(model)
     wanted = {n if isinstance(n, str) else n.__name__ for n in names}
     found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
     missing = wanted - {c.__name__ for c in found}
@@ -57,6 +59,42 @@ def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) ->
             f"module classes present: {present}"
         )
     return found
+
+
+def repeated_block_classes(model: nn.Module) -> Set[Type[nn.Module]]:
+    """The classes of ``model``'s repeated blocks: children of an ``nn.ModuleList`` / ``nn.Sequential`` with
+    at least two children of the same class that hold parameters (a user's transformer without
+    ``_no_split_modules``).  Only the outermost such lists count (a block's inner lists stay in the
+    block).  Logged once per process with how to set the classes explicitly; when nothing repeats, the
+    empty set (one root unit, as accelerate does), logged too.
+    """
+    classes: Set[Type[nn.Module]] = set()
+    inside: Set[int] = set()  # modules within an already chosen block
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        counts: dict = {}
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                counts[type(child)] = counts.get(type(child), 0) + 1
+        repeated = {cls for cls, n in counts.items() if n >= 2 and cls not in (nn.ModuleList, nn.Sequential)}
+        for child in module.children():
+            if type(child) in repeated:
+                inside.update(id(m) for m in child.modules())
+        classes |= repeated
+    names = sorted(c.__name__ for c in classes)
+    if names:
+        message = (f"accel_flatshard: {type(model).__name__} has no `_no_split_modules`; wrapping its repeated "
+                   f"blocks {names} as units. To choose yourself, set fsdp_transformer_layer_cls_to_wrap: "
+                   f"{','.join(names)} in the accelerate yaml (or transformer_auto_wrap_policy(model, {names})).")
+    else:
+        message = (f"accel_flatshard: {type(model).__name__} has no `_no_split_modules` and no repeated blocks "
+                   "(same-class children of an nn.ModuleList/Sequential); one unit for the whole model. Set "
+                   "fsdp_transformer_layer_cls_to_wrap in the accelerate yaml to shard it in several units.")
+    if message not in _LOGGED_CHOICES:
+        _LOGGED_CHOICES.add(message)
+        logger.warning(message)
+    return classes
 
 
 def _no_split_modules(model: nn.Module) -> List[str]:
@@ -75,7 +113,7 @@ def transformer_auto_wrap_policy(
     """Wrap every transformer block as its own unit.
 
     ``transformer_auto_wrap_policy(model)`` takes the block classes from a Hugging Face model's
-    ``_no_split_modules``; ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
+    ``_no_split_modules`` (a model without them: its repeated blocks, :func:`repeated_block_classes`); ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
     ``transformer_auto_wrap_policy([MyBlock])`` gives the classes directly.
 
     Given a model whose input embedding and output head are *untied* (Llama), both become units too:

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import accelerate as acc_mod  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
-from accel_flatshard.integrations import fsdp_utils_shim  # noqa: E402
+from accel_flatshard.integrations import fsdp_utils_shim, patches  # noqa: E402
 
 CONFIGS = REPO / "accelerate_configs"
 
@@ -121,7 +121,7 @@ def test_accelerate_fsdp_functions_replaced_where_looked_up(monkeypatch):
     import accelerate.utils.fsdp_utils
     import transformers.trainer
 
-    fsdp_utils_shim.install()
+    patches.install()
     for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer"):
         ours = getattr(fsdp_utils_shim, name)
         assert getattr(accelerate.utils, name) is ours

@@ -1,8 +1,8 @@
-"""The library functions that must see through accel_flatshard's wrapper (integrations/trl_peft.py)."""
+"""The library functions that must see through accel_flatshard's wrapper (integrations/trl_peft.py, installed by integrations/patches.py)."""
 import torch.nn as nn
 
 from accel_flatshard import FullyShardedDataParallel
-from accel_flatshard.integrations.trl_peft import patch_libraries
+from accel_flatshard.integrations import patches
 from dist_helpers import spawn
 from models import llama
 
@@ -12,7 +12,7 @@ def _unwrap_worker(rank, world_size):
     import transformers.modeling_utils
     from peft import LoraConfig, get_peft_model
 
-    patch_libraries()
+    patches.install()
     model = get_peft_model(llama(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     wrapped = FullyShardedDataParallel(model)
     return {
@@ -43,7 +43,7 @@ def test_trl_prepare_fsdp_in_trainer_modules_shards_the_reference_with_our_accel
     import trl.models.utils
     import trl.trainer.dpo_trainer as dpo_trainer
 
-    patch_libraries()
+    patches.install()
     accelerator, reference = _FakeFlatshardAccelerator(), nn.Linear(2, 2)
     assert dpo_trainer.prepare_fsdp(reference, accelerator) is reference
     assert accelerator.calls == [True] and not reference.training

@@ -1,5 +1,6 @@
 """Auto-wrap policies choose units like torch's wrapper does (no process group needed)."""
 import functools
+import logging
 
 import pytest
 import torch.nn as nn
@@ -42,3 +43,43 @@ def test_size_policy_never_wraps_containers_and_matches_torch_recursion():
 def test_unknown_block_class_names_what_was_looked_for():
     with pytest.raises(ValueError, match="LlamaDecoderLayer.*GPT2Block"):
         transformer_auto_wrap_policy(gpt2(), ["LlamaDecoderLayer"])
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.inner = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # repeats inside a block: stays in it
+
+
+class _UserNet(nn.Module):  # no _no_split_modules
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.acts = nn.ModuleList([nn.ReLU(), nn.ReLU()])  # repeated but without parameters: not units
+        self.head = nn.Linear(4, 4)
+
+
+def test_without_no_split_modules_the_repeated_blocks_become_units_and_are_logged_once(caplog):
+    from accel_flatshard import wrap
+
+    wrap._LOGGED_CHOICES.clear()
+    model = _UserNet()
+    with caplog.at_level(logging.WARNING, logger="accel_flatshard.wrap"):
+        units = select_units(model, transformer_auto_wrap_policy(model))
+        transformer_auto_wrap_policy(_UserNet())
+    assert units == [model, *model.blocks]
+    assert caplog.text.count("wrapping its repeated blocks ['_Block'] as units") == 1
+    assert "fsdp_transformer_layer_cls_to_wrap: _Block" in caplog.text
+
+
+def test_without_repeated_blocks_the_root_is_the_only_unit_and_that_is_logged(caplog):
+    from accel_flatshard import wrap
+
+    wrap._LOGGED_CHOICES.clear()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8))  # nothing repeats
+    with caplog.at_level(logging.WARNING, logger="accel_flatshard.wrap"):
+        units = select_units(model, transformer_auto_wrap_policy(model))
+    assert units == [model]
+    assert "no repeated blocks" in caplog.text and "one unit for the whole model" in caplog.text

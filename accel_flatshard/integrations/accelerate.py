@@ -48,9 +48,10 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 
 from .. import options
 from ..fully_sharded import FullyShardedDataParallel
-from . import checkpointing, fsdp_utils_shim, trainer_shim
+from ..state_dict.registry import find_wrapper
+from . import checkpointing, patches
 from .multi_model import clip_grad_norm_over_models
-from .trl_peft import patch_libraries
+from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
 from .config import fsdp_version_requested, normalize_plugin_to_fsdp1, options_from_plugin
 
@@ -58,9 +59,6 @@ _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 
 __all__ = ["Accelerator", "register"]
-
-
-_flag = options.env_flag
 
 
 class Accelerator(_BaseAccelerator):
@@ -90,14 +88,14 @@ class Accelerator(_BaseAccelerator):
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
         self._flatshard_options: Optional[FlatShardOptions] = None
-        wants_fsdp = _flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)
+        wants_fsdp = options.env_flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)
         if not wants_fsdp:
             super().__init__(**params)
             return
         check_fsdp_version(fsdp_version_requested(plugin))
         # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
         # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
-        without_device = bool(params.get("cpu")) or _flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+        without_device = bool(params.get("cpu")) or options.env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
         if without_device:
             if plugin is None:
                 plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
@@ -112,10 +110,10 @@ class Accelerator(_BaseAccelerator):
             return  # a single process without a launcher: nothing to shard
         self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision)
         normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self._flatshard_options)
-        fsdp_utils_shim.install()  # Trainer checkpoints call accelerate's free save/load_fsdp_* functions
-        trainer_shim.install()  # the Trainer's weight-decay groups by parameter name
         self._setup_grad_scaler()
-        patch_libraries()  # TRL's trainer modules are imported by now (see trl_peft.py)
+        # the library functions that must know our wrapper (patches.PATCHES); modules imported since
+        # register() (TRL's trainers, transformers.trainer) hold bindings it could not reach yet
+        patches.install()
 
     # ------------------------------------------------------------------ setup
     def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
@@ -290,12 +288,7 @@ class Accelerator(_BaseAccelerator):
         return state_dict if state_dict is not None else {}
 
     def _find_wrapper(self, model: nn.Module) -> Optional[FullyShardedDataParallel]:
-        if isinstance(model, FullyShardedDataParallel):
-            return model
-        for m in self._models:
-            if isinstance(m, FullyShardedDataParallel) and m.module is model:
-                return m
-        return None
+        return find_wrapper(model)
 
     def _flatshard_model(self) -> FullyShardedDataParallel:
         for m in self._models:
@@ -433,12 +426,13 @@ def register() -> None:
 
     Affects code that looks the name up afterwards (``from accelerate import Accelerator`` in a script
     run later); modules that imported the name before keep accelerate's class.  Idempotent.
+
+    Checks the library versions first (:mod:`.versions`: an error below the supported window, a warning
+    above it), then applies every patch of :data:`.patches.PATCHES` and logs what it patched.
     """
-    accelerate.Accelerator = Accelerator
-    accelerate.accelerator.Accelerator = Accelerator
+    check_versions()
     _use_cpu_state_for_fsdp_launch()
-    fsdp_utils_shim.install()
-    patch_libraries()
+    patches.install(register=True)
 
 
 def _use_cpu_state_for_fsdp_launch() -> None:
@@ -450,7 +444,7 @@ def _use_cpu_state_for_fsdp_launch() -> None:
     ``ACCELERATE_USE_CPU`` is accelerate's own switch for this (gloo over all processes); this
     Accelerator takes the same CPU path and then shards.
     """
-    if not _flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
+    if not options.env_flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
         return
     if _launched_world_size() > 1:
         os.environ["ACCELERATE_USE_CPU"] = "true"

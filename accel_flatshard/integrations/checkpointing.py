@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state
@@ -31,8 +31,33 @@ from accelerate.checkpointing import save_custom_state
 from ..fully_sharded import FullyShardedDataParallel
 from . import fsdp_utils_shim
 
-# the Accelerator (integrations/accelerate.py, which imports this module): typed loosely to keep imports one-way
-Accelerator = Any
+
+
+class Accelerator(Protocol):
+    """What these functions use of :class:`.accelerate.Accelerator` (accelerate's attributes; a Protocol,
+    so this module does not import the class that imports it)."""
+
+    _models: List[Any]
+    _optimizers: List[Any]
+    _schedulers: List[Any]
+    _dataloaders: List[Any]
+    _custom_objects: List[Any]
+    _save_model_state_pre_hook: Dict[Any, Any]
+    _load_model_state_pre_hook: Dict[Any, Any]
+    project_configuration: Any
+    project_dir: Optional[str]
+    save_iteration: int
+    scaler: Any
+    state: Any
+    step: int
+
+    @property
+    def is_main_process(self) -> bool: ...
+
+    @property
+    def is_local_main_process(self) -> bool: ...
+
+    def wait_for_everyone(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 

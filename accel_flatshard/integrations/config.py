@@ -9,10 +9,11 @@ no key for come from ``FLATSHARD_*`` environment variables (declared and validat
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch.nn as nn
 
@@ -25,6 +26,18 @@ _DTYPES = options.DTYPES
 
 # the FLATSHARD_* variables are declared and validated in accel_flatshard.options (unknown names are errors)
 check_env = options.check_environment
+
+
+def state_dict_type_name(plugin: Any) -> str:
+    """The plugin's ``state_dict_type`` as "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (unset: FULL); others raise."""
+    sdt = getattr(plugin, "state_dict_type", None)
+    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
+    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        raise ValueError(
+            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
+            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
+        )
+    return name
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
@@ -181,14 +194,7 @@ def options_from_plugin(
     else:
         raise ValueError(f"unsupported fsdp auto_wrap_policy {policy!r}")
 
-    sdt = getattr(plugin, "state_dict_type", None)
-    sdt_name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
-    if sdt_name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        raise ValueError(
-            f"fsdp_state_dict_type {sdt_name} is not supported by accel_flatshard; use FULL_STATE_DICT or "
-            "SHARDED_STATE_DICT"
-        )
-    opts.state_dict_type = sdt_name
+    opts.state_dict_type = state_dict_type_name(plugin)
 
     offload = getattr(plugin, "cpu_offload", None)
     # FSDP1: CPUOffload(offload_params=...); FSDP2: OffloadPolicy() (off) or CPUOffloadPolicy (on)
@@ -294,7 +300,6 @@ def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, st
     ``__post_init__`` overwrote (transformers reads ``FSDP_CPU_RAM_EFFICIENT_LOADING``).
     """
     environ = os.environ if environ is None else environ
-
     efficient = options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", environ)
     sync = options.env_flag("FSDP_SYNC_MODULE_STATES", environ)
     saved = environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
@@ -310,3 +315,47 @@ def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, st
     plugin.cpu_ram_efficient_loading = efficient
     plugin.sync_module_states = sync or efficient
     return plugin
+
+
+def _host_has_device() -> bool:
+    """What accelerate's plugin looks for before it builds a GPU ``param_init_fn`` (any of its devices)."""
+    from accelerate.utils import imports
+
+    checks = ("is_npu_available", "is_mlu_available", "is_musa_available", "is_cuda_available",
+              "is_xpu_available", "is_hpu_available", "is_neuron_available")
+    return any(getattr(imports, name, lambda: False)() for name in checks)
+
+
+def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``FullyShardedDataParallelPlugin.__post_init__`` that works on a host without an accelerator device.
+
+    On such a host (only; elsewhere accelerate's own runs unchanged) the plugin is initialised with
+    ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, which is where accelerate demands a
+    device, then both fields and ``FSDP_CPU_RAM_EFFICIENT_LOADING`` get the values accelerate would have
+    set: the same plugin :func:`build_plugin_without_device` builds from a yaml.
+    """
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        version = str(getattr(self, "fsdp_version", None) or os.environ.get("FSDP_VERSION", "1")).strip()
+        if version == "2" or _host_has_device():
+            return original(self)
+        prefix = "FSDP_"
+        efficient = self.cpu_ram_efficient_loading
+        efficient = options.env_flag(prefix + "CPU_RAM_EFFICIENT_LOADING") if efficient is None else bool(efficient)
+        sync = self.sync_module_states
+        sync = options.env_flag(prefix + "SYNC_MODULE_STATES") if sync is None else bool(sync)
+        saved = os.environ.get(prefix + "CPU_RAM_EFFICIENT_LOADING")
+        self.cpu_ram_efficient_loading, self.sync_module_states = False, False
+        try:
+            original(self)
+        finally:
+            os.environ.pop(prefix + "CPU_RAM_EFFICIENT_LOADING", None)
+            if saved is not None:
+                os.environ[prefix + "CPU_RAM_EFFICIENT_LOADING"] = saved
+        if efficient:  # what accelerate's __post_init__ exports for transformers' from_pretrained
+            os.environ[prefix + "CPU_RAM_EFFICIENT_LOADING"] = "True"
+        self.cpu_ram_efficient_loading = efficient
+        self.sync_module_states = sync or efficient
+
+    return __post_init__

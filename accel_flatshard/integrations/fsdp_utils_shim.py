@@ -4,7 +4,7 @@
 ``accelerate.utils.save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` /
 ``load_fsdp_optimizer`` directly instead of ``Accelerator.save_state``.  Those enter torch FSDP's
 ``state_dict_type`` context, which finds no torch FSDP module in an accel_flatshard model and fails
-(``KeyError: None``).  :func:`install` replaces the four names everywhere they are looked up
+(``KeyError: None``).  :mod:`.patches` replaces the four names everywhere they are looked up
 (``accelerate.utils``, ``accelerate.utils.fsdp_utils`` and every already imported module that bound
 them with ``from accelerate.utils import ...``, e.g. ``transformers.trainer``) by the functions below.
 For a model that is not sharded by accel_flatshard they call accelerate's original.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 from typing import Any, Callable, Dict
 
 import torch
@@ -38,9 +37,10 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from .. import comm
 from ..checkpoint.atomic import write_atomic
 from ..state_dict.registry import find_wrapper
+from .config import state_dict_type_name
 
-__all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer", "install",
-           "model_file_name", "state_dict_type_name", "model_dir_name", "optimizer_file_name", "optimizer_dir_name"]
+__all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer",
+           "model_file_name", "model_dir_name", "optimizer_file_name", "optimizer_dir_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +77,6 @@ def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def state_dict_type_name(fsdp_plugin: Any) -> str:
-    """``"FULL_STATE_DICT"`` or ``"SHARDED_STATE_DICT"`` from a plugin's ``state_dict_type`` (enum, name or
-    None = FULL); ValueError for the others."""
-    sdt = getattr(fsdp_plugin, "state_dict_type", None)
-    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
-    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        raise ValueError(
-            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
-            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
-        )
-    return name
 
 
 def _check_use_dcp(use_dcp: bool, what: str) -> None:
@@ -237,32 +224,3 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
         load_full_optim_state_dict(wrapped, optimizer, state)
         del state
     accelerator.wait_for_everyone()
-
-
-_REPLACEMENTS: Dict[str, Callable[..., Any]] = {
-    "save_fsdp_model": save_fsdp_model,
-    "load_fsdp_model": load_fsdp_model,
-    "save_fsdp_optimizer": save_fsdp_optimizer,
-    "load_fsdp_optimizer": load_fsdp_optimizer,
-}
-# packages whose modules may hold `from accelerate.utils import save_fsdp_model`-style bindings
-_PATCHED_PACKAGES = ("accelerate", "transformers", "trl", "peft")
-
-
-def install() -> None:
-    """Point every binding of accelerate's four functions at the versions above.  Idempotent.
-
-    Modules imported later that do ``from accelerate.utils import save_fsdp_model`` get ours, because
-    ``accelerate.utils`` itself is patched; modules imported earlier (``transformers.trainer`` binds the
-    names when it loads) are patched in place.
-    """
-    for module_name, module in list(sys.modules.items()):
-        # __main__: a script that imported the names itself (accel_flatshard.run registers before it runs)
-        if module is None or not (module_name.split(".")[0] in _PATCHED_PACKAGES or module_name == "__main__"):
-            continue
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, original in _ORIGINALS.items():
-            if namespace.get(name) is original:
-                namespace[name] = _REPLACEMENTS[name]

@@ -13,6 +13,7 @@ from typing import Dict, List
 import torch
 
 from ..grad_norm import clip_grad_norm_ as _clip_grad_norm
+from ..grad_norm import scale_by_clip_coefficient
 
 
 def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -41,8 +42,5 @@ def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm
         total = norms.max()
     else:
         total = (norms ** norm_type).sum() ** (1.0 / norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    scale_by_clip_coefficient([p.grad for p in params if p.grad is not None], max_norm, total)
     return total.to(torch.float32)

@@ -1,0 +1,81 @@
+"""The supported library version window, and the check :func:`accel_flatshard.register` runs.
+
+Lower bounds are the oldest set CI tests (``.ci/oldest.sh``, run by ``.ci/run``; the same bounds are in
+``pyproject.toml``); upper bounds are the newest versions tested (``make test``).  Below the window is an
+error (names the package, its version and the pip command); above it a warning that it is untested.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["SUPPORTED", "check_versions", "window_text"]
+
+logger = logging.getLogger(__name__)
+
+# package -> (oldest tested, newest tested)
+SUPPORTED: Dict[str, Tuple[str, str]] = {
+    "torch": ("2.13.0", "2.13"),
+    "accelerate": ("1.10.1", "1.15"),
+    "transformers": ("4.57.6", "5.24"),
+    "trl": ("0.24.0", "1.16"),
+    "peft": ("0.17.1", "0.21"),
+}
+# packages the Accelerate backend cannot run without; the others are checked only when installed
+_REQUIRED = ("torch", "accelerate")
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """(major, minor, patch) of a version string ("2.13.0+cpu" -> (2, 13, 0)); pre-release tags ignored."""
+    parts = []
+    for piece in version.split("+", 1)[0].split(".")[:3]:
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def _above(version: Tuple[int, ...], newest: Tuple[int, ...]) -> bool:
+    """Whether ``version`` is newer than ``newest`` compared on ``newest``'s precision (1.15.3 is within 1.15)."""
+    return version[: len(newest)] > newest
+
+
+def window_text() -> str:
+    """One line per package: the supported window."""
+    return ", ".join(f"{name} {low} to {high}.x" for name, (low, high) in SUPPORTED.items())
+
+
+def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> List[str]:
+    """Raise below the window, warn above it; returns the warnings given.  ``installed`` (tests): name ->
+    version or None (not installed); default: the installed distributions."""
+    problems: List[str] = []
+    given: List[str] = []
+    for name, (low, high) in SUPPORTED.items():
+        if installed is not None:
+            version = installed.get(name)
+        else:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                version = None
+        if version is None:
+            if name in _REQUIRED:
+                problems.append(f"{name} is not installed: pip install '{name}>={low}'")
+            continue
+        if _release(version) < _release(low):
+            problems.append(f"{name} {version} is older than the oldest supported {low}: "
+                            f"pip install -U '{name}>={low}'")
+        elif _above(_release(version), _release(high)):
+            message = (f"accel_flatshard: {name} {version} is newer than the newest tested {high}.x; it is "
+                       f"untested (the patched library internals may have moved). If anything fails, "
+                       f"pip install '{name}<={high}.99' and report it.")
+            warnings.warn(message, UserWarning, stacklevel=3)
+            given.append(message)
+    if problems:
+        raise RuntimeError("accel_flatshard: library versions outside the supported window ("
+                           + window_text() + "): " + "; ".join(problems))
+    return given

@@ -1,0 +1,110 @@
+"""The patch table (integrations/patches.py) and the version window (integrations/versions.py)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+import accelerate
+import accelerate.accelerator
+import accelerate.utils
+import accelerate.utils.fsdp_utils
+import transformers.trainer
+
+from accel_flatshard.integrations import fsdp_utils_shim, patches, versions
+
+
+@pytest.fixture
+def clean_patches():
+    patches.uninstall()
+    yield
+    patches.uninstall()
+
+
+def test_install_reports_and_uninstall_restores_every_original(clean_patches, caplog):
+    originals = {(m, a): getattr(sys.modules[m], a) for m, a in [
+        ("accelerate", "Accelerator"), ("accelerate.utils", "save_fsdp_model"),
+        ("transformers.trainer", "save_fsdp_model"), ("transformers.trainer", "get_parameter_names"),
+        ("accelerate.utils", "extract_model_from_parallel")]}
+    post_init = accelerate.utils.FullyShardedDataParallelPlugin.__dict__["__post_init__"]
+    with caplog.at_level(logging.INFO, logger=patches.__name__):
+        applied = patches.install(register=True)
+    assert "transformers.trainer.save_fsdp_model" in applied and "accelerate.Accelerator" in applied
+    assert transformers.trainer.save_fsdp_model is fsdp_utils_shim.save_fsdp_model
+    for where in applied:  # one INFO line per binding, then a summary
+        assert f"patched {where}" in caplog.text
+    assert f"{len(applied)} library bindings patched" in caplog.text
+    assert patches.install(register=True) == []  # idempotent
+    patches.uninstall()
+    for (m, a), original in originals.items():
+        assert getattr(sys.modules[m], a) is original, f"{m}.{a}"
+    assert accelerate.utils.FullyShardedDataParallelPlugin.__dict__["__post_init__"] is post_init
+
+
+def test_table_lists_every_patch_install_applies(clean_patches):
+    import trl.trainer.dpo_trainer  # noqa: F401  (so the TRL entry applies)
+
+    applied = patches.install(register=True)
+    table_targets = set()
+    for p in patches.PATCHES:
+        table_targets.add(f"{p.owner}.{p.attribute}")
+        table_targets.update(f"{m}.{p.attribute}" for m in p.also_bound_in)
+    attributes = {p.attribute for p in patches.PATCHES}
+    for where in applied:
+        # every binding is a table entry's owner or named binding, or (scan) an imported module's same name
+        assert where in table_targets or where.rsplit(".", 1)[1] in attributes, where
+    assert {f"{p.owner}.{p.attribute}" for p in patches.PATCHES} <= set(applied)
+    markdown = patches.markdown_table()
+    for p in patches.PATCHES:
+        assert f"`{p.owner}.{p.attribute}`" in markdown
+
+
+def test_missing_essential_target_is_an_error_naming_it(clean_patches, monkeypatch):
+    monkeypatch.delattr(transformers.trainer, "save_fsdp_model")
+    with pytest.raises(RuntimeError, match=r"transformers\.trainer\.save_fsdp_model.*no longer binds") as info:
+        patches.install()
+    assert f"accelerate {accelerate.__version__}" in str(info.value)
+
+
+def test_missing_owner_attribute_is_named(clean_patches, monkeypatch):
+    monkeypatch.delattr(accelerate.utils.fsdp_utils, "load_fsdp_optimizer")
+    with pytest.raises(RuntimeError, match=r"accelerate\.utils\.fsdp_utils\.load_fsdp_optimizer: no such attribute"):
+        patches.install()
+
+
+def test_rewrapped_binding_is_reported_not_skipped(clean_patches, monkeypatch):
+    monkeypatch.setattr(transformers.trainer, "get_parameter_names", lambda *a, **k: [])
+    with pytest.raises(RuntimeError, match=r"transformers\.trainer\.get_parameter_names.*moved or re-wrapped"):
+        patches.install()
+
+
+def test_missing_non_essential_target_warns_with_the_version(clean_patches, monkeypatch):
+    monkeypatch.delattr(accelerate.utils.FullyShardedDataParallelPlugin, "__post_init__")
+    with pytest.warns(RuntimeWarning, match=r"FullyShardedDataParallelPlugin\.__post_init__: no such attribute "
+                                            rf"\(accelerate {accelerate.__version__}"):
+        patches.install(register=True)
+
+
+def test_versions_below_the_window_fail_with_the_pip_command():
+    installed = {name: high + ".0" for name, (_, high) in versions.SUPPORTED.items()}
+    assert versions.check_versions(installed) == []
+    with pytest.raises(RuntimeError, match=r"accelerate 1\.9\.0 is older than the oldest supported 1\.10\.1: "
+                                           r"pip install -U 'accelerate>=1\.10\.1'"):
+        versions.check_versions({**installed, "accelerate": "1.9.0"})
+    with pytest.raises(RuntimeError, match="torch is not installed"):
+        versions.check_versions({**installed, "torch": None})
+    assert versions.check_versions({**installed, "trl": None}) == []  # optional library
+
+
+def test_versions_above_the_window_warn_untested():
+    installed = {name: low for name, (low, _) in versions.SUPPORTED.items()}
+    installed["torch"] = "2.13.0+cpu"
+    assert versions.check_versions(installed) == []
+    with pytest.warns(UserWarning, match=r"transformers 5\.30\.0 is newer than the newest tested 5\.24\.x"):
+        versions.check_versions({**installed, "transformers": "5.30.0"})
+    assert versions.check_versions({**installed, "accelerate": "1.15.7"}) == []  # a patch release of 1.15
+
+
+def test_installed_versions_are_inside_the_window():
+    assert versions.check_versions() == []
