@@ -18,7 +18,7 @@ devices and feed the simulator (``_sim_streams.py``) that checks the CUDA schedu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -188,22 +188,6 @@ def _move_tensors(tree: Any, device: torch.device, move: Callable[[torch.Tensor]
     return map_tensors(lambda t: t if t.device == device else move(t), tree)
 
 
-_OVERRIDE: Optional[Callable[[torch.device], Any]] = None
-
-
 def streams_for(device: torch.device) -> Any:
-    """The adapter for a model on ``device`` (tests may substitute a simulated one, see ``_sim_streams``)."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE(device)
+    """The adapter for a model on ``device`` (tests pass a simulated one through ``Engine(streams=...)``)."""
     return CudaStreams(device) if device.type == "cuda" else HostStreams(device)
-
-
-@contextlib.contextmanager
-def override_streams(factory: Callable[[torch.device], Any]) -> Iterator[None]:
-    """Models wrapped inside use ``factory(device)`` as their adapter (for the CPU simulation of CUDA)."""
-    global _OVERRIDE
-    previous, _OVERRIDE = _OVERRIDE, factory
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous
