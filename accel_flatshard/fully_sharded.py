@@ -24,6 +24,7 @@ from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
+from .offload import CPUOffload, wants_offload
 from .outside_reads import enable_outside_reads
 from .profiler import profiler_for
 from .unit import BackwardPrefetch, Unit, UnitState
@@ -229,6 +230,9 @@ class FullyShardedDataParallel(nn.Module):
         device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
             module, the current CUDA device.  A module elsewhere is copied there unit by unit while
             sharding, so the device never holds more than one unit unsharded.
+        cpu_offload: ``CPUOffload(offload_params=True)`` (or torch's ``CPUOffload`` / ``CPUOffloadPolicy``)
+            keeps shards, sharded gradients and optimizer state in (pinned) host memory; the optimizer
+            steps on the host (``offload.py``).  On a CPU device the shards are there already.
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
     objects, each a 1-D view of this rank's slice of its values; build the optimizer from them
@@ -257,6 +261,7 @@ class FullyShardedDataParallel(nn.Module):
         limit_all_gathers: int = 2,
         profiler=None,
         device_id: Optional[Union[int, torch.device]] = None,
+        cpu_offload: Optional[CPUOffload] = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -271,7 +276,8 @@ class FullyShardedDataParallel(nn.Module):
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
         profiler = profiler_for(profiler)  # given one, else FLATSHARD_PROFILE, else the no-op profiler
-        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler)
+        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, profiler,
+                        offload=wants_offload(cpu_offload))
         self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
@@ -306,6 +312,8 @@ class FullyShardedDataParallel(nn.Module):
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
         flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype, device=device)
+        if self._root.engine.offload is not None:
+            self._root.engine.offload.place_shard(flat)
         full = flat.full_flat_from_params()
         if sync_module_states:
             group.broadcast_from_rank0(full)
@@ -392,7 +400,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             for flat in self.flat_params:
                 full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-                self.shard_group.all_gather(full, flat.local_shard, async_op=False)
+                self.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)
                 grads = [p.grad for p in flat.params]
                 for p in flat.params:
                     p.grad = None

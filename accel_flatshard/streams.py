@@ -11,7 +11,7 @@ onto a device:
   ``wait()`` blocks the host, and gloo's threads overlap them with compute.
 
 Both expose the same calls (``on``, ``wait_stream``, ``record``, ``synchronize``, ``record_stream``,
-``collective``, ``note_*``), so the bookkeeping in the engine (pending reductions, gathers in flight, when a
+``collective``, the offload copies ``host_empty`` / ``to_device`` / ``to_host``, ``note_*``), so the bookkeeping in the engine (pending reductions, gathers in flight, when a
 buffer may be freed) is one code path.  ``note_*`` calls describe buffer lifetimes; they are no-ops on real
 devices and feed the simulator (``_sim_streams.py``) that checks the CUDA schedule's invariants on CPU.
 """
@@ -94,6 +94,16 @@ class HostStreams:
     def move_inputs(self, args: Any, kwargs: Any) -> Any:
         return _move_tensors((args, kwargs), self.device, lambda t: t.to(self.device))
 
+    # CPU offload (offload.py): the host is the device, so nothing is pinned and copies are host copies
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(src)
+
     # lifetime notes (simulator only)
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         pass
@@ -165,6 +175,26 @@ class CudaStreams:
     def move_inputs(self, args: Any, kwargs: Any) -> Any:
         move = self.tracer.move if self.tracer is not None else (lambda t: t.to(self.device, non_blocking=True))
         return _move_tensors((args, kwargs), self.device, move)
+
+    # CPU offload (offload.py): host buffers are pinned so that both copies run asynchronously to the host
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.tracer is not None:
+            return self.tracer.host_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host -> device on the current stream; the result belongs to that stream."""
+        if self.tracer is not None:
+            return self.tracer.to_device(self.device, host)
+        return host.to(self.device, non_blocking=True)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Device -> pinned host on the current stream; the host may read ``out`` only after synchronising
+        on an event recorded behind it."""
+        if self.tracer is not None:
+            self.tracer.to_host(self.device, src, out)
+        else:
+            out.copy_(src, non_blocking=True)
 
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if self.tracer is not None:
