@@ -140,9 +140,6 @@ def memory(device, model, data, steps: int) -> bool:
     """Peak device memory with offload against the bound and against the same wrapper without offload;
     between steps nothing of the model but its buffers stays on the device."""
     cuda = device.type == "cuda"
-    base = _allocated(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     plain = copy.deepcopy(model)
     n_params = sum(p.numel() for p in plain.parameters())
     before = _allocated(device)
@@ -177,7 +174,6 @@ def memory(device, model, data, steps: int) -> bool:
     print(f"  peak with offload {_mib(peak)} <= bound {_mib(bound['total'])} "
           f"({', '.join(f'{k} {_mib(v)}' for k, v in bound.items() if k != 'total')}); without offload "
           f"{_mib(results[False][0])}: {'PASS' if good_peak else 'FAIL'}", flush=True)
-    del base
     return good_resident and good_peak
 
 
