@@ -118,7 +118,6 @@ class Engine:
                 source = self.offload.shard_on_device(flat) if self.offload else flat.local_shard
                 shard = source.to(flat.compute_dtype)
                 del source
-                s.note_write(flat)
             handle = s.collective(self.all_gather_stream,
                                   lambda async_op: self.group.all_gather(out, shard, async_op=async_op), keep=shard)
         self._gathers[flat] = (handle, label)
@@ -143,10 +142,6 @@ class Engine:
     def unshard_now(self, flat: FlatParameter, label: str = "") -> None:
         self.unshard(flat, label)
         self.wait_unshard(flat, label)
-
-    def note_params_read(self, flat: FlatParameter) -> None:
-        """The compute stream is about to read ``flat``'s gathered values (a unit's forward/backward)."""
-        self.streams.note_read(flat)
 
     def reshard(self, flat: FlatParameter) -> None:
         """Free the unsharded buffer once every reader is done with it."""
@@ -183,7 +178,6 @@ class Engine:
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
             with s.on(self.reduce_scatter_stream):
                 shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
-                s.note_read(full)
 
             def issue(async_op: bool) -> Any:
                 work = self.group.reduce_scatter(shard_out, full, async_op=async_op)

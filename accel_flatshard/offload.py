@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .flat_param import FlatParameter
 
@@ -75,8 +74,6 @@ class HostOffload:
         parameters are pointed at it."""
         flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()
         flat.keep_grad_buffer = True
-        for p in flat.params:
-            p._flatshard_offload = self  # lets the optimizer step pre-hook find the model's copies
 
     def shard_on_device(self, flat: FlatParameter) -> torch.Tensor:
         """A device copy of the host shard, issued on the current (all-gather) stream."""
@@ -96,28 +93,3 @@ class HostOffload:
         if flat not in self._staging:
             self._staging[flat] = self._host_empty(flat.layout.shard_numel, flat.dtype)
         return self._staging[flat]
-
-    def before_host_step(self, params: Any) -> None:
-        """The optimizer is about to read host gradients and write host shards: tell the simulator (a
-        no-op on real devices; the end of backward already waited for every copy)."""
-        tracer = getattr(self.streams, "tracer", None)
-        if tracer is None or not hasattr(tracer, "host_access"):
-            return
-        for p in params:
-            if p.grad is not None:
-                tracer.host_access(p.grad, write=False)
-            tracer.host_access(p, write=True)
-
-
-def _before_host_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    by_model: Dict[int, tuple] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            offload = getattr(p, "_flatshard_offload", None)
-            if offload is not None:
-                by_model.setdefault(id(offload), (offload, []))[1].append(p)
-    for offload, params in by_model.values():
-        offload.before_host_step(params)
-
-
-register_optimizer_step_pre_hook(_before_host_step)

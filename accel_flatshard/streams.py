@@ -18,7 +18,7 @@ devices and feed the simulator (``_sim_streams.py``) that checks the CUDA schedu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -178,23 +178,16 @@ class CudaStreams:
 
     # CPU offload (offload.py): host buffers are pinned so that both copies run asynchronously to the host
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.tracer is not None:
-            return self.tracer.host_empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host -> device on the current stream; the result belongs to that stream."""
-        if self.tracer is not None:
-            return self.tracer.to_device(self.device, host)
         return host.to(self.device, non_blocking=True)
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """Device -> pinned host on the current stream; the host may read ``out`` only after synchronising
         on an event recorded behind it."""
-        if self.tracer is not None:
-            self.tracer.to_host(self.device, src, out)
-        else:
-            out.copy_(src, non_blocking=True)
+        out.copy_(src, non_blocking=True)
 
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if self.tracer is not None:
@@ -218,22 +211,6 @@ def _move_tensors(tree: Any, device: torch.device, move: Callable[[torch.Tensor]
     return map_tensors(lambda t: t if t.device == device else move(t), tree)
 
 
-_OVERRIDE: Optional[Callable[[torch.device], Any]] = None
-
-
 def streams_for(device: torch.device) -> Any:
-    """The adapter for a model on ``device`` (tests may substitute a simulated one, see ``_sim_streams``)."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE(device)
+    """The adapter for a model on ``device`` (tests pass a simulated one through ``Engine(streams=...)``)."""
     return CudaStreams(device) if device.type == "cuda" else HostStreams(device)
-
-
-@contextlib.contextmanager
-def override_streams(factory: Callable[[torch.device], Any]) -> Iterator[None]:
-    """Models wrapped inside use ``factory(device)`` as their adapter (for the CPU simulation of CUDA)."""
-    global _OVERRIDE
-    previous, _OVERRIDE = _OVERRIDE, factory
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous

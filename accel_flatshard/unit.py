@@ -131,7 +131,6 @@ class Unit:
 
     def _install_views(self) -> None:
         for flat in self.flat_params:
-            self.root.engine.note_params_read(flat)
             flat.install_views(flat.unsharded_views())
         self._views_installed = True
 

@@ -1,20 +1,22 @@
-"""The CUDA schedule, checked on CPU by simulation (accel_flatshard/_sim_streams.py).
+"""The CUDA schedule, checked on CPU by simulation (tests/sim_cuda.py).
 
 The wrapper runs its real CUDA code path (``CudaStreams``) against a simulated ``torch.cuda`` on a GPU
 that is infinitely slow relative to the host: nothing is known finished until a stream or the host
 waited on it.  Single process (gloo, world size 1): fast, and the results must equal the plain model's.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard._sim_streams import SimulatedCuda, simulate_cuda
 from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
 from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
 from models import batches, llama, llama_layer_class
+from sim_cuda import SimulatedCuda, sim_adapter, simulate_cuda
 
 LAYERS = 6
 
@@ -23,35 +25,38 @@ pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _simulated(device_index=0, current_device=0, **kwargs):
-    with simulate_cuda(device_index, current_device) as sim:
-        model = FullyShardedDataParallel(llama(n_layer=LAYERS), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
-                                         **kwargs)
-    return model, sim
+    model = FullyShardedDataParallel(llama(n_layer=LAYERS), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
+                                     **kwargs)
+    return model, simulate_cuda(model, device_index, current_device)
 
 
-def _train(model, steps=2):
+def _train(model, steps=2, sim=None):
+    """``steps`` SGD steps; with ``sim``, every op is observed.  The losses are read (``.item()``, a host
+    synchronisation) only after the last step, so the host does not order one step after the previous
+    optimizer update: the engine's own waits must."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for x in batches(steps):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    with sim if sim is not None else contextlib.nullcontext():
+        for x in batches(steps):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return [loss.item() for loss in losses]
 
 
 def test_simulated_cuda_schedule_trains_exactly_like_the_plain_model():
     model, sim = _simulated()
     assert isinstance(model._root.engine.streams, CudaStreams)
-    assert _train(model) == _train(llama(n_layer=LAYERS))
+    assert _train(model, sim=sim) == _train(llama(n_layer=LAYERS))
     assert sim.violations == []
 
 
 def test_at_most_n_full_gradients_are_alive_during_backward():
     """Defect 1: full gradients were kept until the end of backward on CUDA (DDP's peak)."""
     model, sim = _simulated()
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     n_flats = len(model.flat_params)
     assert n_flats > 3
     assert sim.peak["full_grad"] <= model._root.engine.max_pending_reductions
@@ -62,7 +67,7 @@ def test_the_simulator_sees_unbounded_full_gradients(monkeypatch):
     """The check above can fail: with the bound lifted (the old CUDA path) every flat gradient stays alive."""
     model, sim = _simulated()
     model._root.engine.max_pending_reductions = 10**6
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     assert sim.peak["full_grad"] == len(model.flat_params)
 
 
@@ -71,7 +76,7 @@ def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limi
     """Defect 3: freed buffers stay reserved until the GPU is past their readers; the host must wait on
     free events instead of running through the whole forward."""
     model, sim = _simulated(limit_all_gathers=limit)
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     # the root stays gathered for the whole step, plus at most `limit` units in flight or awaiting free
     assert sim.peak["unsharded"] <= limit + 1
     assert sim.host_syncs > 0
@@ -81,14 +86,14 @@ def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limi
 def test_the_simulator_sees_gathers_piling_up_without_the_rate_limit(monkeypatch):
     monkeypatch.setattr(Engine, "_wait_for_freed_buffers", lambda self: None)
     model, sim = _simulated(limit_all_gathers=1)
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     assert sim.peak["unsharded"] >= LAYERS
 
 
 def test_streams_of_the_models_device_are_used_not_the_current_devices():
     """Defect 4: model on cuda:1, current device 0 (no torch.cuda.set_device)."""
     model, sim = _simulated(device_index=1, current_device=0)
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     assert sim.streams_used == {1}
     assert {name for op, name, kind in sim.log if op == "read" and kind == "unsharded"} == {"compute1"}
     assert sim.violations == []
@@ -99,7 +104,7 @@ def test_the_simulator_catches_waits_on_the_current_devices_stream(monkeypatch):
     stream, so cuda:1's compute stream reads gathers it never waited for."""
     monkeypatch.setattr(CudaStreams, "compute_stream", lambda self: self.api.current_stream())
     model, sim = _simulated(device_index=1, current_device=0)
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     assert 0 in sim.streams_used
     assert any("read on compute1 before its write" in v for v in sim.violations)
 
@@ -108,14 +113,15 @@ def test_inputs_are_moved_to_the_models_device_at_the_root():
     """Defect 8: a plain-torch loop passing CPU tensors to a CUDA model."""
     model, sim = _simulated(device_index=1)
     x = batches(1)[0]
-    model(input_ids=x, labels=x)
+    with sim:
+        model(input_ids=x, labels=x)
     assert any(t is x for t in sim.moved_inputs)
 
 
 def test_side_streams_have_high_priority():
     """Defect 9 (first half): FSDP2 gives its communication streams high priority."""
     model, sim = _simulated()
-    _train(model, steps=1)
+    _train(model, steps=1, sim=sim)
     assert sim.side_streams and all(s.priority == HIGH_PRIORITY for s in sim.side_streams)
 
 
@@ -163,17 +169,22 @@ def _flat_with_grad(world, value, dtype):
 
 
 @pytest.mark.parametrize("adapter", ["cuda", "host"])
-def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter):
-    """Defect 5: 4 ranks each with an fp16 gradient of 30000 (loss-scaled): the sum 120000 overflows
-    fp16 (max 65504); divided by 2 before and 2 after, the average 30000 comes out."""
+@pytest.mark.parametrize("world,value", [(4, 30000.0), (8, 30720.0)])
+def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter, world, value):
+    """Defect 5: W ranks each with a loss-scaled fp16 gradient: at W=4, 4 * 30000 overflows fp16 (max 65504);
+    divided by 2 before and 2 after, the average 30000 comes out.  At W=8 the factors differ (4 before, 2
+    after): 8 * 30720 / 4 = 61440 fits, while swapped (2 before) 122880 would be inf."""
     sim = SimulatedCuda()
-    streams = CudaStreams(torch.device("cuda", 0), api=sim, tracer=sim) if adapter == "cuda" else HostStreams(torch.device("cpu"))
-    engine = Engine(_IdenticalRanksGroup(4, 4), torch.device("cpu"), streams=streams)
-    flat, p, grad = _flat_with_grad(4, 30000.0, torch.float16)
-    engine.reduce_grad(flat, grad, "w")
-    engine.finish_reduces()
+    streams = sim_adapter(sim) if adapter == "cuda" else HostStreams(torch.device("cpu"))
+    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=streams)
+    assert (engine.predivide, engine.postdivide) == ((2.0, 2.0) if world == 4 else (4.0, 2.0))
+    flat, p, grad = _flat_with_grad(world, value, torch.float16)
+    with sim:
+        engine.reduce_grad(flat, grad, "w")
+        engine.finish_reduces()
     assert torch.isfinite(p.grad).all()
-    assert torch.equal(p.grad, torch.full_like(p.grad, 30000.0))
+    assert torch.equal(p.grad, torch.full_like(p.grad, value))
+    assert sim.violations == []
 
 
 def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
@@ -182,10 +193,11 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
     sim = SimulatedCuda()
     device = torch.device("cuda", 0)
     group = _IdenticalRanksGroup(4, 2, sim, device)
-    engine = Engine(group, torch.device("cpu"), streams=CudaStreams(device, api=sim, tracer=sim))
+    engine = Engine(group, torch.device("cpu"), streams=sim_adapter(sim))
     flat, p, grad = _flat_with_grad(2, 1.0, torch.float32)
-    engine.reduce_grad(flat, grad, "w")
-    engine.finish_reduces()
+    with sim:
+        engine.reduce_grad(flat, grad, "w")
+        engine.finish_reduces()
     assert torch.equal(p.grad, torch.ones_like(p.grad))  # (4 ranks * 1.0) / 4
     (replica_stream,) = group.replica_streams
     assert replica_stream is engine.replica_stream
@@ -195,21 +207,25 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
 
 
 def _simulated_w2_worker(rank, world_size, group_size):
-    with simulate_cuda() as sim:
-        model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
-                                         fsdp_group_size=group_size)
+    model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
+                                     fsdp_group_size=group_size)
+    sim = simulate_cuda(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for x in batches(2, batch=4):
-        local = x.chunk(world_size)[rank]
-        loss = model(input_ids=local, labels=local).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
+    with sim:
+        for x in batches(2, batch=4):
+            local = x.chunk(world_size)[rank]
+            loss = model(input_ids=local, labels=local).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    means = []
+    for loss in losses:
+        mean = loss.clone()
         dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-    return losses, sim.violations
+        means.append(mean.item() / world_size)
+    return means, sim.violations
 
 
 @pytest.mark.slow

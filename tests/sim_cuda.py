@@ -1,0 +1,503 @@
+"""A CPU simulation of CUDA streams (tests only): checks the engine's CUDA schedule without a GPU.
+
+The engine's real CUDA code path (``accel_flatshard.streams.CudaStreams``) runs against
+:class:`SimulatedCuda`, which stands in for ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``,
+``stream``).  Kernels and collectives really run (on CPU tensors, synchronously); what is simulated is
+their ordering on a GPU that is *infinitely slow* relative to the host: nothing is known complete until a
+stream or the host waited on it.
+
+Model
+-----
+* Each stream has a position (one step per op issued on it) and a vector clock (the positions of other
+  streams that happen-before its current work).  Events carry clocks; ``wait_event`` / ``wait_stream``
+  merge them into a stream's clock, ``Event.synchronize`` and ``.item()`` into the host's.  Work the host
+  enqueues happens after everything the host has seen complete (each step merges the host's clock).
+* Every aten op (and every c10d collective) is observed by a ``TorchDispatchMode`` while the simulation is
+  active (``with sim:``).  It runs on the current stream of the simulated device; the schema says which
+  arguments it reads and which it writes (in-place / out arguments; for collectives the table
+  ``_C10D_WRITES``).  So the optimizer's in-place update of a shard, autograd's gradients, copies, and a
+  collective's output (written when the collective is *issued* on its stream, not when the buffer was
+  allocated) are all tracked, per storage.
+* Checks (``sim.violations``): a read on one stream of a storage whose last write on another stream does
+  not happen-before it (read after write); a write that does not happen after the last reads and write on
+  other streams (write after read / write); a free (storage death, or the engine's ``note_free`` of a
+  resized storage) while a stream other than the allocating one may still use it and was not registered
+  with ``record_stream``; ``record_stream`` keeps the block reserved until the host has seen that stream
+  pass the free (``peak`` counts such buffers as alive).
+* Labels: the engine's ``note_alloc(tensor, kind)`` names buffers ("unsharded", "full_grad"); ``peak[kind]``
+  is the most buffers of a kind alive at once.
+
+Host memory and copies (for CPU offload)
+----------------------------------------
+Every storage has a placement, ``"device"`` unless declared otherwise with :meth:`SimulatedCuda.place`
+(``"host"``, optionally ``pinned``).  An op whose tensors are all on the host runs on the host (a
+pseudo-stream ``sim.host`` whose knowledge is the host clock), so a host read of a buffer that a device
+stream wrote (e.g. a CPU optimizer step on a gradient copied back on a side stream) must follow an event
+synchronize.  An op that mixes host and device tensors (a host<->device copy) runs on the current stream;
+if its host side is not pinned the host then waits for that stream (as a pageable ``cudaMemcpy`` does).
+:meth:`SimulatedCuda.device_storages` / :meth:`assert_on_host` check that nothing persistent lives on the
+device; ``peak_bytes["device"]`` is the device's peak of tracked bytes.
+
+CPU offload: ``SimCudaStreams`` makes the adapter's ``host_empty`` buffers pinned host memory and its
+``to_device`` / ``to_host`` copies ops of the current stream (the copy reads one side, writes the other);
+:func:`simulate_cuda` declares an offloaded model's existing host shards pinned host memory.
+
+Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from accel_flatshard._compat import map_tensors
+from accel_flatshard.engine import Engine
+from accel_flatshard.streams import CudaStreams
+
+# c10d ops: indices of the arguments a collective writes (the others are read); unknown ones: all written
+_C10D_WRITES = {
+    "c10d::_allgather_base_": {0}, "c10d::allgather_": {0}, "c10d::allgather_into_tensor_coalesced_": {0},
+    "c10d::_reduce_scatter_base_": {0}, "c10d::reduce_scatter_": {0},
+    "c10d::reduce_scatter_tensor_coalesced_": {0}, "c10d::allreduce_": {0}, "c10d::broadcast_": {0},
+    "c10d::recv_": {0}, "c10d::send": set(), "c10d::barrier": set(),
+}
+
+
+class SimStream:
+    _ids = itertools.count()
+
+    def __init__(self, sim: "SimulatedCuda", index: int, priority: int = 0, name: str = "") -> None:
+        self.sim, self.index, self.priority = sim, index, priority
+        self.device = torch.device("cuda", max(index, 0))
+        self.name = name or f"side{next(self._ids)}"
+        self.pos = 0
+        self.clock: Dict["SimStream", int] = {}
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name} cuda:{self.index} prio={self.priority}>"
+
+    def step(self) -> int:
+        self.sim.streams_used.add(self.index)
+        _merge(self.clock, self.sim.host_clock)  # enqueued after whatever the host has seen complete
+        self.pos += 1
+        return self.pos
+
+    def knows(self, stream: "SimStream", pos: int) -> bool:
+        return stream is self or self.clock.get(stream, 0) >= pos
+
+    def wait_event(self, event: "SimEvent") -> None:
+        self.sim.streams_used.add(self.index)
+        _merge(self.clock, event.clock)
+        self.sim.log.append(("wait_event", self.name, event.source))
+
+    def wait_stream(self, other: "SimStream") -> None:
+        event = SimEvent(self.sim)
+        event.record(other)
+        self.wait_event(event)
+
+
+class _HostStream(SimStream):
+    """The host as a pseudo-stream: its ops are done at once, its knowledge is the host clock."""
+
+    def __init__(self, sim: "SimulatedCuda") -> None:
+        super().__init__(sim, -1, 0, "host")
+        self.clock = sim.host_clock
+
+    def step(self) -> int:
+        self.pos += 1
+        self.clock[self] = self.pos
+        return self.pos
+
+
+class SimEvent:
+    def __init__(self, sim: "SimulatedCuda") -> None:
+        self.sim, self.clock, self.source = sim, {}, None
+
+    def record(self, stream: Optional[SimStream] = None) -> None:
+        stream = stream if stream is not None else self.sim.current_stream()
+        self.sim.streams_used.add(stream.index)
+        self.clock = dict(stream.clock)
+        self.clock[stream] = max(self.clock.get(stream, 0), stream.pos)
+        self.source = stream.name
+
+    def synchronize(self) -> None:
+        _merge(self.sim.host_clock, self.clock)
+        self.sim.host_syncs += 1
+
+
+def _merge(into: Dict[SimStream, int], other: Dict[SimStream, int]) -> None:
+    for stream, pos in other.items():
+        if into.get(stream, 0) < pos:
+            into[stream] = pos
+
+
+@dataclass
+class _Buffer:
+    """One allocation: a storage from its allocation (or resize) to its free."""
+
+    kind: str
+    alloc_stream: SimStream
+    nbytes: int
+    placement: str = "device"
+    pinned: bool = False
+    write: Optional[tuple] = None  # (stream, pos) of the last write
+    reads: Dict[SimStream, int] = field(default_factory=dict)  # since the last write
+    uses: Dict[SimStream, int] = field(default_factory=dict)  # every read or write, for the free check
+    recorded: set = field(default_factory=set)
+    pending: Optional[Dict[SimStream, int]] = None  # after free: held until the host knows these
+
+    def alive(self, host_clock: Dict[SimStream, int]) -> bool:
+        if self.pending is None:
+            return True
+        return not all(host_clock.get(s, 0) >= p for s, p in self.pending.items())
+
+
+def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class SimulatedCuda(TorchDispatchMode):
+    """``torch.cuda`` look-alike for ``CudaStreams(api=...)`` plus the op tracker (``with sim:``).
+
+    ``device_index`` is the simulated model's device; ``current_device`` what ``torch.cuda.current_device()``
+    would return (used when a stream is asked for without a device)."""
+
+    def __init__(self, device_index: int = 0, current_device: int = 0) -> None:
+        super().__init__()
+        self.device_index, self.current_device = device_index, current_device
+        self._current: Dict[int, SimStream] = {}
+        self._default: Dict[int, SimStream] = {}
+        self.host_clock: Dict[SimStream, int] = {}
+        self.host = _HostStream(self)
+        self.host_syncs = 0
+        self.streams_used: set = set()
+        self.log: List[tuple] = []
+        self.violations: List[str] = []
+        self.moved_inputs: List[torch.Tensor] = []
+        self._buffers: Dict[int, _Buffer] = {}  # by storage (``_cdata``)
+        self._finalizers: set = set()
+        self._keyed: Dict[Any, int] = {}  # engine key (a FlatParameter) -> storage
+        self._dead: List[_Buffer] = []
+        self.peak: Dict[str, int] = {}
+        self.peak_bytes: Dict[str, int] = {}
+        self.side_streams: List[SimStream] = []
+
+    # ------------------------------------------------------------------ torch.cuda surface
+    def default_stream(self, index: int) -> SimStream:
+        if index not in self._default:
+            self._default[index] = SimStream(self, index, 0, f"compute{index}")
+        return self._default[index]
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        index = device if isinstance(device, int) else None if device is None else torch.device(device).index
+        if index is None:
+            index = self.current_device
+        return self._current.get(index) or self.default_stream(index)
+
+    def Stream(self, device: Any = None, priority: int = 0) -> SimStream:  # noqa: N802 - torch.cuda name
+        index = self.current_device if device is None else torch.device(device).index
+        stream = SimStream(self, index, priority)
+        self.side_streams.append(stream)
+        return stream
+
+    def Event(self) -> SimEvent:  # noqa: N802
+        return SimEvent(self)
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[None]:
+        previous = self._current.get(stream.index)
+        self._current[stream.index] = stream
+        try:
+            yield
+        finally:
+            if previous is None:
+                self._current.pop(stream.index, None)
+            else:
+                self._current[stream.index] = previous
+
+    # ------------------------------------------------------------------ buffers
+    def _buffer(self, storage: torch.UntypedStorage, stream: SimStream, kind: str = "tensor") -> _Buffer:
+        key = storage._cdata
+        buf = self._buffers.get(key)
+        if buf is None:
+            # first sight of a storage made outside the simulation: allocated by the host on the default stream
+            buf = self._new(storage, self.default_stream(self.device_index) if stream is not self.host else stream, kind)
+        return buf
+
+    def _new(self, storage: torch.UntypedStorage, stream: SimStream, kind: str, placement: str = "device") -> _Buffer:
+        key = storage._cdata
+        buf = _Buffer(kind, stream, storage.nbytes(), placement)
+        self._buffers[key] = buf
+        if key not in self._finalizers:
+            self._finalizers.add(key)
+            weakref.finalize(storage, self._storage_died, key)
+        self._count(kind)
+        return buf
+
+    def _storage_died(self, key: int) -> None:
+        self._finalizers.discard(key)
+        if key in self._buffers:
+            self._free(key)
+
+    def _count(self, kind: str) -> None:
+        self._dead = [b for b in self._dead if b.alive(self.host_clock)]
+        live = list(self._buffers.values()) + self._dead
+        if kind != "tensor":
+            self.peak[kind] = max(self.peak.get(kind, 0), sum(b.kind == kind for b in live))
+        for where in ("device", "host"):
+            self.peak_bytes[where] = max(self.peak_bytes.get(where, 0),
+                                         sum(b.nbytes for b in live if b.placement == where))
+
+    def _free(self, key: int) -> None:
+        buf = self._buffers.pop(key)
+        for stream, pos in buf.uses.items():
+            safe = (stream is buf.alloc_stream or stream in buf.recorded
+                    or buf.alloc_stream.knows(stream, pos) or self.host_clock.get(stream, 0) >= pos)
+            if not safe:
+                self.violations.append(f"{buf.kind} freed while {stream.name} may still use it "
+                                       f"(allocated on {buf.alloc_stream.name}, no record_stream)")
+        buf.pending = {s: s.pos for s in buf.recorded if s is not buf.alloc_stream}
+        self._dead.append(buf)
+        self.log.append(("free", buf.alloc_stream.name, buf.kind))
+
+    # ------------------------------------------------------------------ op tracking
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        reads, writes = [], []
+        if schema.name.startswith("c10d::"):
+            written = _C10D_WRITES.get(schema.name)
+            for i, value in enumerate(args):
+                (writes if written is None or i in written else reads).extend(_tensors(value))
+        else:
+            named = dict(zip([a.name for a in schema.arguments], args))
+            named.update(kwargs)
+            for arg in schema.arguments:
+                ts = _tensors(named.get(arg.name))
+                (writes if arg.alias_info is not None and arg.alias_info.is_write else reads).extend(ts)
+        out = func(*args, **kwargs)
+        self._on_op(schema, reads, writes, out)
+        return out
+
+    def _placement(self, t: torch.Tensor) -> Optional[_Buffer]:
+        storage = _storage(t)
+        if storage is None or storage.nbytes() == 0:
+            return None
+        return self._buffers.get(storage._cdata)
+
+    def _on_op(self, schema, reads: List[torch.Tensor], writes: List[torch.Tensor], out: Any) -> None:
+        known = [b for b in map(self._placement, reads + writes) if b is not None]
+        on_host = bool(known) and all(b.placement == "host" for b in known)
+        stream = self.host if on_host else self.current_stream(self.device_index)
+        pos = stream.step()
+        if schema.name.startswith("c10d::"):
+            self.log.append(("collective", stream.name, schema.name))
+        seen = set()
+        for t, is_write in [(t, False) for t in reads] + [(t, True) for t in writes]:
+            storage = _storage(t)
+            if storage is None or storage.nbytes() == 0:
+                continue
+            buf = self._buffer(storage, stream)
+            self._check(buf, stream, is_write)
+            if (storage._cdata, is_write) in seen:
+                continue
+            seen.add((storage._cdata, is_write))
+            if is_write:
+                buf.write, buf.reads = (stream, pos), {}
+            else:
+                buf.reads[stream] = pos
+                if buf.kind != "tensor":
+                    self.log.append(("read", stream.name, buf.kind))
+            buf.uses[stream] = pos
+        # new outputs (no alias to an argument): allocated on this stream, written at this position
+        returns = schema.returns
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for ret, value in zip(returns, outs) if len(returns) == len(outs) else []:
+            if ret.alias_info is not None:
+                continue
+            for t in _tensors(value):
+                storage = _storage(t)
+                if storage is None or storage.nbytes() == 0:
+                    continue
+                placement = "host" if on_host else "device"
+                buf = self._new(storage, stream, "tensor", placement)
+                buf.write, buf.uses[stream] = (stream, pos), pos
+        mixed = {b.placement for b in known}
+        if mixed == {"host", "device"} and not all(b.pinned for b in known if b.placement == "host"):
+            self._host_waits_for(stream)  # a pageable host<->device copy blocks the host
+        if schema.name == "aten::_local_scalar_dense":  # .item(): the host waits for the stream
+            self._host_waits_for(stream)
+
+    def _host_waits_for(self, stream: SimStream) -> None:
+        event = SimEvent(self)
+        event.record(stream)
+        event.synchronize()
+
+    def _check(self, buf: _Buffer, stream: SimStream, is_write: bool) -> None:
+        if buf.write is not None:
+            w_stream, w_pos = buf.write
+            if not stream.knows(w_stream, w_pos):
+                what = "written" if is_write else "read"
+                verb = "write" if is_write else "read"
+                self.violations.append(f"{buf.kind} {verb} on {stream.name} before its write on {w_stream.name} "
+                                       f"was waited for ({what} too early)")
+        if is_write:
+            for r_stream, r_pos in buf.reads.items():
+                if not stream.knows(r_stream, r_pos):
+                    self.violations.append(f"{buf.kind} written on {stream.name} while {r_stream.name} may still "
+                                           "read it")
+
+    # ------------------------------------------------------------------ adapter notes
+    def alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
+        stream = self.current_stream(self.device_index)
+        storage = tensor.untyped_storage()
+        if key is not None:  # a resized storage (the gathered buffer): a new allocation each time
+            self._keyed[key] = storage._cdata
+            buf = self._new(storage, stream, kind)
+        else:
+            buf = self._buffer(storage, stream, kind)
+            buf.kind = kind
+            self._count(kind)
+        self.log.append(("alloc", stream.name, kind))
+        return buf
+
+    def free(self, key: Any) -> None:
+        storage_key = self._keyed.pop(key, None)
+        if storage_key in self._buffers:
+            self._free(storage_key)
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        buf = self._buffers.get(tensor.untyped_storage()._cdata)
+        if buf is not None:
+            buf.recorded.add(stream)
+
+    def move(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.moved_inputs.append(tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ placement (host memory)
+    def place(self, tensor: torch.Tensor, placement: str, pinned: bool = False) -> None:
+        """Declare ``tensor``'s storage as living in ``placement`` ("host" or "device")."""
+        if placement not in ("host", "device"):
+            raise ValueError(f"sim_cuda: placement must be 'host' or 'device', got {placement!r}")
+        storage = tensor.untyped_storage()
+        stream = self.host if placement == "host" else self.current_stream()
+        if storage._cdata in self._buffers:
+            buf = self._buffers[storage._cdata]
+        else:  # not seen yet: counted in the right memory from the start (peak_bytes)
+            buf = self._new(storage, stream, "tensor", placement)
+        buf.placement, buf.pinned = placement, pinned and placement == "host"
+
+    def device_storages(self) -> List[_Buffer]:
+        """Buffers alive on the simulated device (referenced, or held back by ``record_stream``)."""
+        self._dead = [b for b in self._dead if b.alive(self.host_clock)]
+        return [b for b in list(self._buffers.values()) + self._dead if b.placement == "device"]
+
+    def assert_on_host(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Raise naming every tensor of ``tensors`` (name -> tensor) that lives on the simulated device."""
+        on_device = [name for name, t in tensors.items()
+                     if (b := self._placement(t)) is None or b.placement != "host"]
+        if on_device:
+            raise AssertionError(f"sim_cuda: persistent state on the device: {on_device}")
+
+
+class SimCudaStreams(CudaStreams):
+    """The production CUDA adapter with the simulated ``torch.cuda``; lifetime notes go to the simulator."""
+
+    def __init__(self, device: torch.device, sim: SimulatedCuda) -> None:
+        super().__init__(device, api=sim)
+        self.sim = sim
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.sim.record_stream(tensor, stream)
+
+    def move_inputs(self, args: Any, kwargs: Any) -> Any:
+        # the simulated device's tensors are CPU tensors: inputs are recorded as moved, not copied
+        return map_tensors(self.sim.move, (args, kwargs))
+
+    # CPU offload: pinned host buffers and the copies between host and device (tensors stay CPU tensors)
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with _disable_current_modes():  # allocated by the host, not an op of a stream
+            tensor = torch.empty(numel, dtype=dtype)
+        self.sim.place(tensor, "host", pinned=True)
+        return tensor
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # a fresh device buffer on the current stream, written there by the copy (which reads the host)
+        out = torch.empty(host.shape, dtype=host.dtype)
+        out.copy_(host)
+        return out
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(src)
+
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
+        self.sim.alloc(tensor, kind, key)
+
+    def note_read(self, key: Any) -> None:  # reads are observed op by op
+        pass
+
+    def note_write(self, key: Any) -> None:  # writes are observed op by op
+        pass
+
+    def note_free(self, key: Any) -> None:
+        self.sim.free(key)
+
+
+def sim_adapter(sim: SimulatedCuda) -> SimCudaStreams:
+    """An adapter for ``Engine(streams=...)`` on the simulated ``cuda:<sim.device_index>``."""
+    return SimCudaStreams(torch.device("cuda", sim.device_index), sim)
+
+
+def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) -> SimulatedCuda:
+    """Make a wrapped model's engine run the CUDA code path on the simulator (before its first step).
+
+    The engine is rebuilt with the same settings and the simulated adapter; a setting that would not carry
+    over (a new ``Engine`` argument this helper does not pass) is reported, not silently dropped.
+    Run the model inside ``with sim:`` so that its ops are observed."""
+    sim = SimulatedCuda(device_index, current_device)
+    root = model._root
+    old = root.engine
+    if old.has_pending():
+        raise RuntimeError("sim_cuda: attach the simulator before the first step")
+    adapter = sim_adapter(sim)
+    new = Engine(old.group, old.device, old.reduce_dtype, old.max_inflight, old.profiler,
+                 old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
+    if old.offload is not None:
+        # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
+        new.offload, old.offload.streams = old.offload, adapter
+        for flat in model.flat_params:
+            for host in (flat.local_shard, flat.sharded_grad):
+                if host is not None:
+                    sim.place(host, "host", pinned=True)
+    stream_attrs = {"streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
+    differing = [k for k, v in vars(old).items()
+                 if k not in stream_attrs and k in vars(new) and _differs(v, vars(new)[k])]
+    if differing or set(vars(old)) != set(vars(new)):
+        raise RuntimeError(f"sim_cuda: Engine settings {differing or sorted(set(vars(old)) ^ set(vars(new)))} "
+                           "do not carry over to the simulated engine; update simulate_cuda()")
+    root.engine = new
+    return sim
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, dict, collections.deque)):
+        return len(a) != len(b)  # the queues: empty in both before the first step
+    return a is not b and a != b
