@@ -26,7 +26,7 @@ On a CPU device the host *is* the device: the copies are no-ops or host copies a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -63,11 +63,16 @@ class HostOffload:
     def __init__(self, streams: Any) -> None:
         self.streams = streams
         self._staging: Dict[FlatParameter, torch.Tensor] = {}
-        self.pinned_allocations = 0  # how many host buffers were ever allocated (reuse, not leaks)
+        # every host buffer allocated (all persistent: reused, never freed while the model lives)
+        self.host_buffers: List[torch.Tensor] = []
+
+    @property
+    def pinned_allocations(self) -> int:
+        return len(self.host_buffers)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        self.pinned_allocations += 1
-        return self.streams.host_empty(numel, dtype)
+        self.host_buffers.append(self.streams.host_empty(numel, dtype))
+        return self.host_buffers[-1]
 
     def place_shard(self, flat: FlatParameter) -> None:
         """Give ``flat`` a host (pinned) ``local_shard``; call before the shard is filled and the

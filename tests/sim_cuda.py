@@ -483,10 +483,8 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) ->
     if old.offload is not None:
         # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
         new.offload, old.offload.streams = old.offload, adapter
-        for flat in model.flat_params:
-            for host in (flat.local_shard, flat.sharded_grad):
-                if host is not None:
-                    sim.place(host, "host", pinned=True)
+        for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
+            sim.place(host, "host", pinned=True)
     stream_attrs = {"streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
     differing = [k for k, v in vars(old).items()
                  if k not in stream_attrs and k in vars(new) and _differs(v, vars(new)[k])]
