@@ -25,10 +25,12 @@ On a CPU device the host *is* the device: the copies are no-ops or host copies a
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .flat_param import FlatParameter
 
@@ -79,6 +81,8 @@ class HostOffload:
         parameters are pointed at it."""
         flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()
         flat.keep_grad_buffer = True
+        for p in flat.params:
+            p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
 
     def shard_on_device(self, flat: FlatParameter) -> torch.Tensor:
         """A device copy of the host shard, issued on the current (all-gather) stream."""
@@ -98,3 +102,35 @@ class HostOffload:
         if flat not in self._staging:
             self._staging[flat] = self._host_empty(flat.layout.shard_numel, flat.dtype)
         return self._staging[flat]
+
+
+# ---------------------------------------------------------------------- the host optimizer step
+# Measured (benchmarks/offload_adamw.py, 40M parameters, 2 CPU threads, torch 2.13): AdamW for-loop 49 ms,
+# foreach 54 ms, fused 12.7 ms per step; fused differs from the for-loop by at most 6 ulps where
+# |p| >= 1e-3 (2.4e-7 absolute).  torch picks the for-loop for CPU tensors unless told otherwise.
+_FAST_HOST_STEP_WARNED = False
+
+
+def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Offload onto a GPU moved the user's (Adam/AdamW) step to the host, where torch's default is its
+    slowest variant: use the fused CPU kernel instead, unless the user chose ``foreach`` or ``fused``."""
+    global _FAST_HOST_STEP_WARNED
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+            continue
+        offloaded = [getattr(p, "_flatshard_offload", None) for p in group["params"]]
+        if not offloaded or not all(o is not None and o.streams.stream_ordered for o in offloaded):
+            continue
+        group["fused"] = True
+        optimizer._step_supports_amp_scaling = True  # as torch sets for fused optimizers (GradScaler)
+        if not _FAST_HOST_STEP_WARNED:
+            _FAST_HOST_STEP_WARNED = True
+            warnings.warn("accel_flatshard: with CPU offload the Adam/AdamW step runs on the host; using "
+                          "fused=True there (about 4x faster than torch's CPU default, same result within a few "
+                          "ulps). Pass foreach=False or fused=False to the optimizer to keep the for-loop.",
+                          stacklevel=3)
+
+
+register_optimizer_step_pre_hook(_prefer_fused_host_adam)

@@ -75,16 +75,24 @@ def main(argv=None) -> List[Dict[str, object]]:
     reference = rows[0]["result"]
     for row in rows:
         row["max_ulps_vs_for_loop"] = ulps(row["result"], reference)
+        # ulps explode for values next to zero: also the absolute difference and the ulps where |p| >= 1e-3
+        big = reference.abs() >= 1e-3
+        row["max_ulps_where_abs_ge_1e-3"] = ulps(row["result"][big], reference[big])
+        row["max_abs_diff"] = float((row["result"] - reference).abs().max())
+        row["differing"] = int((row["result"] != reference).sum())
     if args.device != "cpu":
         rows.append(run("fused", args.numel, args.steps, args.device))
         rows[-1]["max_ulps_vs_for_loop"] = ulps(rows[-1]["result"], reference)
+        rows[-1].update(max_abs_diff=float((rows[-1]["result"] - reference).abs().max()),
+                        differing=int((rows[-1]["result"] != reference).sum()), **{"max_ulps_where_abs_ge_1e-3": -1})
     for row in rows:
         del row["result"]
     print(f"AdamW step, {args.numel / 1e6:.0f}M parameters, {torch.get_num_threads()} threads")
-    print("| variant | device | step (ms) | max ulps vs for-loop |")
-    print("|---|---|---:|---:|")
+    print("| variant | device | step (ms) | max ulps vs for-loop | ulps where abs >= 1e-3 | max abs diff | elements differing |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['variant']} | {row['device']} | {row['step_ms']:.1f} | {row['max_ulps_vs_for_loop']} |")
+        print(f"| {row['variant']} | {row['device']} | {row['step_ms']:.1f} | {row['max_ulps_vs_for_loop']} | "
+              f"{row['max_ulps_where_abs_ge_1e-3']} | {row['max_abs_diff']:.1e} | {row['differing']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

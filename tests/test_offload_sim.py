@@ -38,8 +38,9 @@ def _offloaded(offload=True, **kwargs):
 
 
 def _train(model, sim=None, steps=2, accumulate=1, after_step=None):
-    """AdamW steps (on the host when offloaded); losses read only at the end (no host sync per step)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    """AdamW steps (on the host when offloaded); losses read only at the end (no host sync per step).
+    ``foreach=False``: the plain model's for-loop step, so the results can be compared exactly."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = []
     with sim if sim is not None else contextlib.nullcontext():
         for x in batches(steps):
@@ -187,3 +188,27 @@ def test_every_offload_mutation_is_caught(mutation, tmp_path):
 
 def test_the_representative_offload_mutation_is_caught(tmp_path):
     _expect_caught(MUTATIONS[0], tmp_path, tests_file=__file__)
+
+
+@pytest.mark.parametrize("chosen", [None, False], ids=["default", "user-chose-foreach-False"])
+def test_the_host_adamw_step_uses_the_fused_kernel_unless_the_user_chose(chosen):
+    """Offload onto a GPU moves AdamW to the host, where torch's default is the slowest variant
+    (benchmarks/offload_adamw.py): the step uses fused=True instead, within ulps of the for-loop."""
+    model, sim = _offloaded()
+    reference = _offloaded(offload=False)[0]
+    losses = {}
+    for name, m in (("ours", model), ("reference", reference)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=chosen if name == "ours" else False)
+        context = sim if name == "ours" else contextlib.nullcontext()
+        with context, pytest.warns(UserWarning, match="fused=True") if (name, chosen) == ("ours", None) else \
+                contextlib.nullcontext():
+            for x in batches(2):
+                m(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        losses[name] = [p.detach().clone() for p in m.parameters()]
+        if name == "ours":
+            assert opt.param_groups[0]["fused"] is (True if chosen is None else None)
+    assert sim.violations == []
+    for a, b in zip(losses["ours"], losses["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
