@@ -175,6 +175,9 @@ MUTATIONS = [
     Mutation("shard left on the device", "offload.py",
              "        flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()\n",
              "        pass\n", ("trains_exactly_like_the_plain_model_with_nothing",)),
+    Mutation("hybrid: reduced shard dropped without record_stream for the replica stream's copy", "engine.py",
+             "                s.record_stream(r.shard_out, stream)\n", "                pass\n",
+             ("hybrid_copies_the_gradient",)),
     Mutation("a new pinned gradient buffer every step", "offload.py",
              "        if flat.sharded_grad is None:\n", "        if True:\n", ("pinned_buffers_are_reused",)),
 ]
@@ -212,3 +215,24 @@ def test_the_host_adamw_step_uses_the_fused_kernel_unless_the_user_chose(chosen)
     assert sim.violations == []
     for a, b in zip(losses["ours"], losses["reference"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, shard", [(4, 4), (4, 2)], ids=["sharded-W4", "hybrid-2x2"])
+def test_offload_under_hybrid_copies_the_gradient_after_the_replica_all_reduce(world, shard):
+    """The reduced shard is copied to its host buffer on the stream that wrote it last (the replica
+    stream under hybrid sharding), post-divided; the device copy is dropped at once, kept alive for the
+    other stream by record_stream; the host reads the gradient only after the copy's event."""
+    from accel_flatshard.engine import Engine
+    from sim_cuda import SimulatedCuda, sim_adapter
+    from test_streams import _flat_with_grad, _IdenticalRanksGroup
+
+    sim = SimulatedCuda()
+    group = _IdenticalRanksGroup(world, shard, sim, torch.device("cuda", 0))
+    engine = Engine(group, torch.device("cpu"), streams=sim_adapter(sim), offload=True)
+    flat, p, grad = _flat_with_grad(shard, 3.0, torch.float32)
+    with sim:
+        engine.reduce_grad(flat, grad, "w")
+        engine.finish_reduces()
+    assert torch.equal(p.grad, torch.full_like(p.grad, 3.0))  # (W ranks * 3.0) / W
+    sim.assert_on_host({"sharded_grad": flat.sharded_grad})
+    assert sim.violations == []  # (the mutation table shows this fails without the record_stream)
