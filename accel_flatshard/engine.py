@@ -261,7 +261,8 @@ class Engine:
     def _accumulate_host_grads(self, done: List[_PendingReduce]) -> None:
         """Offload: wait for every device -> host copy, then hand the host buffers to the parameters."""
         s = self.streams
-        with self.profiler.span("offload_grad_wait"):
+        # counted as reduction wait (exposed communication) in the profiler's phase table
+        with self.profiler.span("reduce_scatter_wait", "offload copies to host"):
             for r in done:
                 if not self.use_streams:
                     self._copy_grad_to_host(r)
