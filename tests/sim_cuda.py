@@ -328,8 +328,8 @@ class SimulatedCuda(TorchDispatchMode):
             buf.uses[stream] = pos
         # new outputs (no alias to an argument): allocated on this stream, written at this position
         returns = schema.returns
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        for ret, value in zip(returns, outs) if len(returns) == len(outs) else []:
+        outs = [out] if len(returns) == 1 else list(out) if isinstance(out, (tuple, list)) else []
+        for ret, value in zip(returns, outs):
             if ret.alias_info is not None:
                 continue
             for t in _tensors(value):
@@ -365,7 +365,7 @@ class SimulatedCuda(TorchDispatchMode):
                                            "read it")
 
     # ------------------------------------------------------------------ adapter notes
-    def alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
+    def alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> _Buffer:
         stream = self.current_stream(self.device_index)
         storage = tensor.untyped_storage()
         if key is not None:  # a resized storage (the gathered buffer): a new allocation each time

@@ -177,7 +177,6 @@ def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter, world, val
     sim = SimulatedCuda()
     streams = sim_adapter(sim) if adapter == "cuda" else HostStreams(torch.device("cpu"))
     engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=streams)
-    assert (engine.predivide, engine.postdivide) == ((2.0, 2.0) if world == 4 else (4.0, 2.0))
     flat, p, grad = _flat_with_grad(world, value, torch.float16)
     with sim:
         engine.reduce_grad(flat, grad, "w")
@@ -185,6 +184,7 @@ def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter, world, val
     assert torch.isfinite(p.grad).all()
     assert torch.equal(p.grad, torch.full_like(p.grad, value))
     assert sim.violations == []
+    assert (engine.predivide, engine.postdivide) == ((2.0, 2.0) if world == 4 else (4.0, 2.0))
 
 
 def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():

@@ -1,0 +1,97 @@
+"""The simulator's own checks (tests/sim_cuda.py), each shown on a deliberately broken order or placement."""
+import pytest
+import torch
+
+from sim_cuda import SimulatedCuda
+
+
+def _sim():
+    sim = SimulatedCuda()
+    return sim, sim.current_stream(0), sim.Stream(device="cuda:0")
+
+
+def test_a_read_on_another_stream_must_follow_the_write():
+    sim, compute, side = _sim()
+    with sim:
+        x = torch.zeros(4)  # written on the compute stream
+        with sim.stream(side):
+            x + 1
+    assert sim.violations and "read on side" in sim.violations[0]
+    sim, compute, side = _sim()
+    with sim:
+        x = torch.zeros(4)
+        side.wait_stream(compute)
+        with sim.stream(side):
+            x + 1
+    assert sim.violations == []
+
+
+def test_a_collectives_output_is_written_when_it_is_issued_not_when_allocated():
+    """An event recorded between the allocation and the write does not cover the write."""
+    sim, compute, side = _sim()
+    with sim:
+        with sim.stream(side):
+            out = torch.empty(4)
+            early = sim.Event()
+            early.record(side)
+            out.copy_(torch.ones(4))  # the collective
+        compute.wait_event(early)
+        out.sum()
+    assert any("read on compute0 before its write on" in v for v in sim.violations)
+
+
+def test_an_in_place_write_must_follow_reads_on_other_streams():
+    sim, compute, side = _sim()
+    with sim:
+        x = torch.zeros(4)
+        side.wait_stream(compute)
+        with sim.stream(side):
+            x.sum()  # e.g. an all-gather reading the shard
+        x.add_(1)  # the optimizer's in-place update, without waiting for the gather
+    assert any("written on compute0 while" in v for v in sim.violations)
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_a_buffer_used_on_another_stream_is_freed_only_with_record_stream(record):
+    sim, compute, side = _sim()
+    with sim:
+        with sim.stream(side):
+            y = torch.ones(4)  # allocated on the side stream
+        compute.wait_stream(side)
+        y.mul_(2)  # used on the compute stream
+        if record:
+            sim.record_stream(y, compute)
+        del y
+    assert bool(sim.violations) != record
+    if record:  # held back until the host has seen the compute stream pass the free
+        assert len(sim._dead) == 1
+        sim._host_waits_for(compute)
+        sim._count("tensor")
+        assert sim._dead == []
+
+
+def test_host_memory_read_on_the_host_must_follow_the_device_to_host_copy():
+    sim, compute, side = _sim()
+    with sim:
+        grad = torch.ones(4)  # on the device
+        host = torch.empty(4)
+        sim.place(host, "host", pinned=True)
+        side.wait_stream(compute)
+        with sim.stream(side):
+            host.copy_(grad, non_blocking=True)  # pinned: asynchronous on the side stream
+        done = sim.Event()
+        done.record(side)
+        host.mul_(0.5)  # a CPU optimizer step before the copy is known complete
+    assert any("on host before its write on" in v for v in sim.violations)
+    sim.violations.clear()
+    with sim:
+        with sim.stream(side):
+            host.copy_(grad, non_blocking=True)
+        done = sim.Event()
+        done.record(side)
+        done.synchronize()
+        host.mul_(0.5)
+    assert sim.violations == []
+    sim.assert_on_host({"grad shard": host})
+    with pytest.raises(AssertionError, match="device"):
+        sim.assert_on_host({"grad": grad})
