@@ -2,6 +2,7 @@
 from .fully_sharded import FullyShardedDataParallel
 from .grad_norm import clip_grad_norm_
 from .mixed_precision import MixedPrecision
+from .offload import CPUOffload
 from .unit import BackwardPrefetch
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
@@ -11,6 +12,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "BackwardPrefetch",
     "MixedPrecision",
+    "CPUOffload",
     "clip_grad_norm_",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

@@ -21,6 +21,10 @@ simulator the tests use.  Its bookkeeping, the same on every device:
 * Hybrid sharding: the all-reduce across replicas runs on its own stream, chained to the reduce-scatter's
   event, so it does not serialise the next unit's reduce-scatter (CUDA); on gloo it starts once the
   reduce-scatter's result is on the host.
+* CPU offload (``offload.py``): the gather first copies the host shard to the device on the all-gather
+  stream; the reduced shard is post-divided and copied to a host buffer on the stream that wrote it last
+  (reduce-scatter, or replica under hybrid sharding), and dropped at once (same-stream reuse is ordered);
+  the host synchronises on those copies' events at the end of backward before it reads the buffers.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 
 from .comm import ShardGroup
 from .flat_param import FlatParameter
+from .offload import HostOffload
 from .profiler import span
 from .streams import streams_for
 
@@ -44,6 +49,8 @@ class _PendingReduce:
     shard_out: torch.Tensor
     label: str
     replicas: Any = None  # completion of the replica all-reduce (hybrid sharding)
+    host_grad: Optional[torch.Tensor] = None  # offload: the host buffer the reduced shard is copied into
+    copied: Any = None  # offload on CUDA: event behind the device -> host copy
 
 
 def gradient_predivide_factor(world_size: int) -> int:
@@ -65,6 +72,7 @@ class Engine:
         max_inflight_all_gathers: int = 2,
         max_pending_reductions: int = 2,
         streams: Any = None,
+        offload: bool = False,
     ) -> None:
         self.group = group
         self.device = device
@@ -86,6 +94,7 @@ class Engine:
         self._free_events: Deque[Any] = collections.deque()
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
+        self.offload: Optional[HostOffload] = HostOffload(self.streams) if offload else None
 
     # ------------------------------------------------------------------ all-gather
     def begin_step(self) -> None:
@@ -104,7 +113,9 @@ class Engine:
             with s.on(self.all_gather_stream):
                 out = flat.alloc_unsharded()
                 s.note_alloc(out, "unsharded", flat)
-                shard = flat.local_shard.to(flat.compute_dtype)
+                source = self.offload.shard_on_device(flat) if self.offload else flat.local_shard
+                shard = source.to(flat.compute_dtype)
+                del source
             handle = s.collective(self.all_gather_stream,
                                   lambda async_op: self.group.all_gather(out, shard, async_op=async_op), keep=shard)
         self._gathers[flat] = (handle, label)
@@ -174,10 +185,31 @@ class Engine:
 
             handle = s.collective(self.reduce_scatter_stream, issue)
         pending = _PendingReduce(flat, handle, full, shard_out, label)
-        del full
+        del full, shard_out
         if self.use_streams:
             self._start_replica_reduce(pending)
+            if self.offload is not None:
+                self._copy_grad_to_host(pending)
         self._reduces.append(pending)
+
+    def _copy_grad_to_host(self, r: _PendingReduce) -> None:
+        """Offload: post-divide the reduced shard, cast it to the shard's dtype and copy it to its host
+        buffer, on the stream that wrote it last (CUDA) or on the host once it is complete (gloo)."""
+        s = self.streams
+        stream = self.replica_stream if r.replicas is not None else self.reduce_scatter_stream
+        with s.on(stream):
+            shard = r.shard_out
+            if self.postdivide != 1:
+                shard.mul_(1.0 / self.postdivide)
+            shard = shard.to(r.flat.dtype)
+            r.host_grad = self.offload.grad_target(r.flat)
+            s.to_host(shard, r.host_grad)
+            if stream is not self.reduce_scatter_stream:
+                # allocated on the reduce-scatter stream, last read on the replica stream
+                s.record_stream(r.shard_out, stream)
+            del shard
+            r.copied = s.record(stream)
+        r.shard_out = None  # the device copy is dropped now: device memory holds no gradient shard
 
     def _start_replica_reduce(self, r: _PendingReduce) -> None:
         """Hybrid sharding: sum the reduced shard over the replicas (own stream on CUDA)."""
@@ -215,12 +247,30 @@ class Engine:
                 for r in done:
                     if r.replicas is not None:
                         _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+        if self.offload is not None:
+            self._accumulate_host_grads(done)
+            return
         for r in done:
             # allocated on the reduce-scatter stream, kept as the sharded gradient used on the compute stream
             self.streams.record_stream(r.shard_out, compute)
             if scale != 1.0:
                 r.shard_out.mul_(scale)
             r.flat.accumulate_sharded_grad(r.shard_out)
+
+    def _accumulate_host_grads(self, done: List[_PendingReduce]) -> None:
+        """Offload: wait for every device -> host copy, then hand the host buffers to the parameters."""
+        s = self.streams
+        # counted as reduction wait (exposed communication) in the profiler's phase table
+        with span("wait_offload_copy"):
+            for r in done:
+                if not self.use_streams:
+                    self._copy_grad_to_host(r)
+                elif r.copied is not None:
+                    s.synchronize(r.copied)
+            # the host optimizer writes the shards next: no copy to the device may still read them
+            s.synchronize(s.record(self.all_gather_stream))
+        for r in done:
+            r.flat.accumulate_sharded_grad(r.host_grad)
 
     def drain_discarding_reductions(self) -> None:
         """Wait for outstanding collectives without using their results (after an aborted backward)."""
@@ -233,6 +283,9 @@ class Engine:
         for r in done:
             if r.replicas is not None:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+        for r in pending + done:
+            if r.copied is not None:  # offload: its copy still writes the host buffer
+                self.streams.synchronize(r.copied)
 
     def has_pending(self) -> bool:
         return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)

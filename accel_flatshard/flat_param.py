@@ -169,6 +169,7 @@ class FlatParameter:
 
         self.local_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.sharded_grad: Optional[torch.Tensor] = None
+        self.keep_grad_buffer = False  # offload.py: sharded_grad is a reused host buffer
         self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
         self.unsharded.requires_grad_(self.requires_grad)
         # Collectives write through this alias of the same storage.  It has its own version counter, so
@@ -290,8 +291,9 @@ class FlatParameter:
 
     def release_grad_if_unused(self) -> None:
         """Drop ``sharded_grad`` once the user set every ``.grad`` to None (``zero_grad()``), so its
-        memory is free during the next forward, as with unsharded gradients."""
-        if self.sharded_grad is not None and all(p.grad is None for p in self.params):
+        memory is free during the next forward, as with unsharded gradients.  Kept when offloaded
+        (``keep_grad_buffer``): a pinned host buffer is reused, not freed and pinned again."""
+        if self.sharded_grad is not None and not self.keep_grad_buffer and all(p.grad is None for p in self.params):
             self.sharded_grad = None
 
     def numel_bytes(self) -> int:

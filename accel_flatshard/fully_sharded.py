@@ -24,6 +24,7 @@ from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
+from .offload import CPUOffload, wants_offload
 from .outside_reads import enable_outside_reads
 from .profiler import begin_span, end_span, start_from_env
 from .state_dict import module_hooks
@@ -240,6 +241,9 @@ class FullyShardedDataParallel(nn.Module):
         device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
             module, the current CUDA device.  A module elsewhere is copied there unit by unit while
             sharding, so the device never holds more than one unit unsharded.
+        cpu_offload: ``CPUOffload(offload_params=True)`` (or torch's ``CPUOffload`` / ``CPUOffloadPolicy``)
+            keeps shards, sharded gradients and optimizer state in (pinned) host memory; the optimizer
+            steps on the host (``offload.py``).  On a CPU device the shards are there already.
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
     objects, each a 1-D view of this rank's slice of its values; build the optimizer from them
@@ -267,6 +271,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Optional[ParamInitFn] = None,
         limit_all_gathers: int = 2,
         device_id: Optional[Union[int, torch.device]] = None,
+        cpu_offload: Optional[CPUOffload] = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -282,7 +287,7 @@ class FullyShardedDataParallel(nn.Module):
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
         start_from_env(self.shard_group.world_rank)  # FLATSHARD_PROFILE: one torch.profiler per process
-        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers)
+        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, offload=wants_offload(cpu_offload))
         self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
@@ -316,6 +321,8 @@ class FullyShardedDataParallel(nn.Module):
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
         flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype, device=device)
+        if self._root.engine.offload is not None:
+            self._root.engine.offload.place_shard(flat)
         full = flat.full_flat_from_params()
         if sync_module_states:
             group.broadcast_from_rank0(full)
@@ -406,7 +413,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             for flat in self.flat_params:
                 full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-                self.shard_group.all_gather(full, flat.local_shard, async_op=False)
+                self.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)
                 grads = [p.grad for p in flat.params]
                 for p in flat.params:
                     p.grad = None

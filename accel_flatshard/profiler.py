@@ -95,6 +95,7 @@ _ENGINE_SPANS = {
     "flatshard::reduce_scatter": "rs_issue",
     "flatshard::wait_reduce_scatter": "rs_wait",
     "flatshard::wait_replica_all_reduce": "rs_wait",  # hybrid sharding: the second half of the reduction
+    "flatshard::wait_offload_copy": "rs_wait",  # CPU offload: the gradient's device -> host copy
 }
 _OPTIMIZER_PREFIX = "Optimizer.step#"  # torch's own span around every optimizer's step()
 

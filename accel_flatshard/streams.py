@@ -11,9 +11,11 @@ onto a device:
   ``wait()`` blocks the host, and gloo's threads overlap them with compute.
 
 Both expose the same calls (``on``, ``wait_stream``, ``record``, ``synchronize``, ``record_stream``,
-``collective``, ``note_*``), so the bookkeeping in the engine (pending reductions, gathers in flight, when a
-buffer may be freed) is one code path.  ``note_*`` calls describe buffer lifetimes; they are no-ops on real
-devices and feed the simulator (``_sim_streams.py``) that checks the CUDA schedule's invariants on CPU.
+``collective``, the offload copies ``host_empty`` / ``to_device`` / ``to_host``, ``note_alloc`` /
+``note_free``), so the bookkeeping in the engine (pending reductions, gathers in flight, when a buffer may
+be freed) is one code path.  ``note_alloc`` / ``note_free`` name buffer lifetimes; they are no-ops on real
+devices.  The tests' CUDA simulator (``tests/sim_cuda.py``) subclasses :class:`CudaStreams` with a fake
+``torch.cuda`` and checks the schedule's invariants on CPU, so it runs exactly this code.
 """
 from __future__ import annotations
 
@@ -94,14 +96,18 @@ class HostStreams:
     def move_inputs(self, args: Any, kwargs: Any) -> Any:
         return _move_tensors((args, kwargs), self.device, lambda t: t.to(self.device))
 
-    # lifetime notes (simulator only)
+    # CPU offload (offload.py): the host is the device, so nothing is pinned and copies are host copies
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(src)
+
+    # buffer lifetime names (used by the tests' simulator only)
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        pass
-
-    def note_read(self, key: Any) -> None:
-        pass
-
-    def note_write(self, key: Any) -> None:
         pass
 
     def note_free(self, key: Any) -> None:
@@ -111,16 +117,15 @@ class HostStreams:
 class CudaStreams:
     """CUDA / NCCL: side streams of the model's device, events, ``record_stream``.
 
-    ``api`` is ``torch.cuda`` (tests pass a simulated one with the same functions: ``Stream``, ``Event``,
-    ``current_stream``, ``stream``) and ``tracer`` receives the lifetime notes (None on real devices).
+    ``api`` is ``torch.cuda`` (the tests' simulator passes one with the same functions: ``Stream``,
+    ``Event``, ``current_stream``, ``stream``).
     """
 
     stream_ordered = True
 
-    def __init__(self, device: torch.device, api: Any = None, tracer: Any = None) -> None:
+    def __init__(self, device: torch.device, api: Any = None) -> None:
         self.device = device
         self.api = api if api is not None else torch.cuda
-        self.tracer = tracer
         self._side = {}
 
     def compute_stream(self) -> Any:
@@ -150,10 +155,7 @@ class CudaStreams:
         event.synchronize()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.record_stream(tensor, stream)
-        else:
-            tensor.record_stream(stream)
+        tensor.record_stream(stream)
 
     def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> _EventWait:
         """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on
@@ -163,24 +165,26 @@ class CudaStreams:
             return _EventWait(self, self.record(stream))
 
     def move_inputs(self, args: Any, kwargs: Any) -> Any:
-        move = self.tracer.move if self.tracer is not None else (lambda t: t.to(self.device, non_blocking=True))
-        return _move_tensors((args, kwargs), self.device, move)
+        return _move_tensors((args, kwargs), self.device, lambda t: t.to(self.device, non_blocking=True))
+
+    # CPU offload (offload.py): host buffers are pinned so that both copies run asynchronously to the host
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host -> device on the current stream; the result belongs to that stream."""
+        return host.to(self.device, non_blocking=True)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Device -> pinned host on the current stream; the host may read ``out`` only after synchronising
+        on an event recorded behind it."""
+        out.copy_(src, non_blocking=True)
 
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        if self.tracer is not None:
-            self.tracer.alloc(self.device, tensor, kind, key)
-
-    def note_read(self, key: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.read(self.device, key)
-
-    def note_write(self, key: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.write(self.device, key)
+        pass
 
     def note_free(self, key: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.free(self.device, key)
+        pass
 
 
 def _move_tensors(tree: Any, device: torch.device, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:

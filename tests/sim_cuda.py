@@ -38,6 +38,10 @@ if its host side is not pinned the host then waits for that stream (as a pageabl
 :meth:`SimulatedCuda.device_storages` / :meth:`assert_on_host` check that nothing persistent lives on the
 device; ``peak_bytes["device"]`` is the device's peak of tracked bytes.
 
+CPU offload: ``SimCudaStreams`` makes the adapter's ``host_empty`` buffers pinned host memory and its
+``to_device`` / ``to_host`` copies ops of the current stream (the copy reads one side, writes the other);
+:func:`simulate_cuda` declares an offloaded model's existing host shards pinned host memory.
+
 Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path.
 """
 from __future__ import annotations
@@ -50,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from accel_flatshard._compat import map_tensors
 from accel_flatshard.engine import Engine
@@ -393,7 +397,12 @@ class SimulatedCuda(TorchDispatchMode):
         """Declare ``tensor``'s storage as living in ``placement`` ("host" or "device")."""
         if placement not in ("host", "device"):
             raise ValueError(f"sim_cuda: placement must be 'host' or 'device', got {placement!r}")
-        buf = self._buffer(tensor.untyped_storage(), self.host if placement == "host" else self.current_stream())
+        storage = tensor.untyped_storage()
+        stream = self.host if placement == "host" else self.current_stream()
+        if storage._cdata in self._buffers:
+            buf = self._buffers[storage._cdata]
+        else:  # not seen yet: counted in the right memory from the start (peak_bytes)
+            buf = self._new(storage, stream, "tensor", placement)
         buf.placement, buf.pinned = placement, pinned and placement == "host"
 
     def device_storages(self) -> List[_Buffer]:
@@ -423,14 +432,24 @@ class SimCudaStreams(CudaStreams):
         # the simulated device's tensors are CPU tensors: inputs are recorded as moved, not copied
         return map_tensors(self.sim.move, (args, kwargs))
 
+    # CPU offload: pinned host buffers and the copies between host and device (tensors stay CPU tensors)
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with _disable_current_modes():  # allocated by the host, not an op of a stream
+            tensor = torch.empty(numel, dtype=dtype)
+        self.sim.place(tensor, "host", pinned=True)
+        return tensor
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        # a fresh device buffer on the current stream, written there by the copy (which reads the host)
+        out = torch.empty(host.shape, dtype=host.dtype)
+        out.copy_(host)
+        return out
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(src)
+
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         self.sim.alloc(tensor, kind, key)
-
-    def note_read(self, key: Any) -> None:  # reads are observed op by op
-        pass
-
-    def note_write(self, key: Any) -> None:  # writes are observed op by op
-        pass
 
     def note_free(self, key: Any) -> None:
         self.sim.free(key)
@@ -452,8 +471,14 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) ->
     old = root.engine
     if old.has_pending():
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
+    adapter = sim_adapter(sim)
     new = Engine(old.group, old.device, old.reduce_dtype, old.max_inflight, old.profiler,
-                 old.max_pending_reductions, streams=sim_adapter(sim))
+                 old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
+    if old.offload is not None:
+        # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
+        new.offload, old.offload.streams = old.offload, adapter
+        for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
+            sim.place(host, "host", pinned=True)
     stream_attrs = {"streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
     differing = [k for k, v in vars(old).items()
                  if k not in stream_attrs and k in vars(new) and _differs(v, vars(new)[k])]

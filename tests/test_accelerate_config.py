@@ -130,8 +130,9 @@ def test_flags_mixed_precision_and_refusals(fsdp_env, monkeypatch):
     o = fsdp_env("bf16", env={"FLATSHARD_REDUCE_DTYPE": "fp32"})
     assert (o.mixed_precision.param_dtype, o.mixed_precision.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_env("no").mixed_precision is None
-    with pytest.raises(ValueError, match="fsdp_offload_params"):
-        fsdp_env(fsdp_offload_params=True)
+    assert not fsdp_env().offload_params and not fsdp_env().wrapper_kwargs()["cpu_offload"].offload_params
+    o = fsdp_env(fsdp_offload_params=True)  # issue 17: accepted (shards, gradients, optimizer state on the host)
+    assert o.offload_params and o.wrapper_kwargs()["cpu_offload"].offload_params
 
 
 def test_unknown_fsdp_version_and_unknown_env(fsdp_env, monkeypatch):

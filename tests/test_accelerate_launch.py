@@ -158,3 +158,33 @@ def test_feature_combo_matches_ddp(work, ddp_ref):
     assert result["eval"]["samples"] == 10
     assert result["auto_checkpoints"] == ["checkpoint_1", "checkpoint_2"]  # saved at 2, 4, 6; total_limit 2
     assert result["auto_counter_after_load"] == 6
+
+
+@pytest.fixture(scope="module")
+def offload_run(work):
+    """The README yaml with ``fsdp_offload_params: true`` (issue 17): shards on the host (here the device)."""
+    out = work / "offload.json"
+    config = fsdp_config(work, "offload.yaml", fsdp_offload_params=True)
+    args = ["--output_json", str(out), "--save_at", "4", "--save", f"FULL_STATE_DICT={work / 'off_full'}",
+            f"SHARDED_STATE_DICT={work / 'off_sharded'}"]
+    launch(config, PLAIN_SCRIPT, args, via_run=True)
+    return read_json(out)
+
+
+def test_offload_yaml_trains_like_ddp_and_resumes_exactly(work, ddp_ref, offload_run):
+    """fsdp_offload_params: true is accepted on a CPU-only host (not refused), shards, and trains like DDP;
+    a new launch with the same yaml loads its step-4 FULL and SHARDED checkpoints and reproduces steps 5-8."""
+    assert offload_run["accelerator_class"] == "accel_flatshard.integrations.accelerate.Accelerator"
+    assert offload_run["distributed_type"] == "DistributedType.FSDP" and offload_run["num_processes"] == 2
+    assert max_abs_diff(offload_run["losses"], ddp_ref["losses"]) < 1e-5
+    assert max_abs_diff(offload_run["grad_norms"], ddp_ref["grad_norms"]) < 1e-5
+    out = work / "offload_resume.json"
+    config = fsdp_config(work, "offload_resume.yaml", fsdp_offload_params=True)
+    launch(config, SCRIPTS / "flatshard_direct.py",
+           ["--output_json", str(out), "--save_at", "4", "--prepare_style", "optimizer_after",
+            "--resume_from", str(work / "off_full"), str(work / "off_sharded")])
+    result = read_json(out)
+    for resumed in result["resumed"]:
+        assert resumed["losses"] == offload_run["losses"][4:], resumed
+        assert resumed["grad_norms"] == offload_run["grad_norms"][4:]
+    assert len(result["resumed"]) == 2

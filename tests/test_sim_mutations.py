@@ -78,7 +78,7 @@ MUTATIONS = [
 REPRESENTATIVE = "e: collective's completion event recorded before the collective is issued"
 
 
-def _run_mutated(mutation: Mutation, tmp_path: Path) -> subprocess.CompletedProcess:
+def _run_mutated(mutation: Mutation, tmp_path: Path, tests_file: str = STREAMS_TESTS) -> subprocess.CompletedProcess:
     package = tmp_path / "accel_flatshard"
     shutil.copytree(REPO / "accel_flatshard", package, ignore=shutil.ignore_patterns("__pycache__"))
     target = package / mutation.file
@@ -96,12 +96,13 @@ def _run_mutated(mutation: Mutation, tmp_path: Path) -> subprocess.CompletedProc
     expression = " or ".join(f"({k})" for k in mutation.tests)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-c", str(REPO / "pyproject.toml"),
-         STREAMS_TESTS, "-k", expression],
+         str(tests_file), "-k", expression],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _expect_caught(mutation: Mutation, tmp_path: Path) -> None:
-    result = _run_mutated(mutation, tmp_path)
+def _expect_caught(mutation: Mutation, tmp_path: Path, tests_file: str = STREAMS_TESTS) -> None:
+    """``tests_file``: the test module whose ``mutation.tests`` must fail (other modules reuse this runner)."""
+    result = _run_mutated(mutation, tmp_path, tests_file)
     tail = (result.stdout + result.stderr)[-3000:]
     assert result.returncode == 1 and " failed" in tail, (
         f"mutation {mutation.name!r} survived the simulated-CUDA tests (-k {mutation.tests}):\n{tail}")

@@ -115,6 +115,19 @@ def test_sharded_checkpoint_is_accelerates_layout(readme_run, ddp_run, tmp_path)
     assert _max_weight_diff(ours, ddp) <= WEIGHT_TOL
 
 
+def test_trainer_with_offload_is_sharded_and_exact(readme_run, ddp_run, work, tmp_path):
+    """The README yaml with fsdp_offload_params: true (issue 17): on a CPU host the shards already live in
+    host memory, so the run must be sharded and bit for bit the run without offload (and DDP's losses)."""
+    config = tmp_path / "offload.yaml"
+    config.write_text(CPU_FSDP_YAML.read_text().replace("fsdp_offload_params: false", "fsdp_offload_params: true"))
+    assert "fsdp_offload_params: true" in config.read_text()
+    run = _train(config, work / "offload", "--final_dir", str(work / "offload" / "final"))
+    _assert_sharded(run)
+    assert _losses(run, range(1, STEPS + 1)) == _losses(readme_run, range(1, STEPS + 1))
+    assert _max_loss_diff(run, ddp_run) <= LOSS_TOL
+    assert _max_weight_diff(_weights(run["dir"] / "final"), _weights(ddp_run["dir"] / "final")) <= WEIGHT_TOL
+
+
 @pytest.mark.slow
 def test_resume_sharded_checkpoint_in_new_launch(readme_run, ddp_run, work):
     out = work / "readme_resume"

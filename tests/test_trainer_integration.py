@@ -65,9 +65,20 @@ def test_fsdp2_config_maps_to_options_and_an_fsdp1_plugin(clean_env, reshard, st
     assert cfg.options_from_plugin(plugin) == options  # and the plugin still means the same
 
 
+def test_fsdp2_offload_is_accepted_and_kept_when_the_plugin_becomes_fsdp1(clean_env):
+    """Issue 17: FSDP2's fsdp_offload_params (a CPUOffloadPolicy) means offload; after normalising the plugin
+    to FSDP1 it reads as CPUOffload(offload_params=True), and it still means the same."""
+    plugin = _plugin_from_yaml_keys(clean_env, {"fsdp_version": 2, "fsdp_offload_params": True})
+    assert type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+    options = cfg.options_from_plugin(plugin)
+    assert options.offload_params
+    cfg.normalize_plugin_to_fsdp1(plugin, options)
+    assert plugin.cpu_offload.offload_params and cfg.options_from_plugin(plugin) == options
+    off = _plugin_from_yaml_keys(clean_env, {"fsdp_version": 2, "fsdp_offload_params": False})
+    assert not cfg.options_from_plugin(off).offload_params
+
+
 def test_fsdp2_options_that_cannot_be_honoured_name_the_key(clean_env):
-    with pytest.raises(ValueError, match="fsdp_offload_params"):
-        cfg.options_from_plugin(_plugin_from_yaml_keys(clean_env, {"fsdp_version": 2, "fsdp_offload_params": True}))
     with pytest.raises(ValueError, match="fsdp_version 3"):
         cfg.check_fsdp_version(3)
 

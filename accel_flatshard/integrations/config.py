@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from .. import options
 from ..mixed_precision import MixedPrecision
+from ..offload import CPUOffload, wants_offload
 from ..unit import BackwardPrefetch
 from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
@@ -85,6 +86,7 @@ class FlatShardOptions:
     sync_module_states: bool = True
     mixed_precision: Optional[MixedPrecision] = None
     limit_all_gathers: int = 2
+    offload_params: bool = False  # fsdp_offload_params: shards, gradients, optimizer state in host memory
 
     def auto_wrap_policy(self, model: nn.Module) -> Optional[Policy]:
         """The policy for ``model``; an unknown layer class raises ``ValueError`` naming the classes present."""
@@ -106,6 +108,7 @@ class FlatShardOptions:
             mixed_precision=self.mixed_precision,
             sync_module_states=self.sync_module_states,
             limit_all_gathers=self.limit_all_gathers,
+            cpu_offload=CPUOffload(offload_params=self.offload_params),
         )
 
 
@@ -135,7 +138,8 @@ def options_from_plugin(
     FSDP2 keys: ``fsdp_reshard_after_forward`` true/false (FULL_SHARD / SHARD_GRAD_OP), the same wrap
     policy, state dict type (default SHARDED_STATE_DICT), mixed precision, activation checkpointing and
     ``fsdp_cpu_ram_efficient_loading`` keys as FSDP1; backward prefetch is always on (FSDP2's implicit
-    prefetch).  Options that cannot be honoured raise naming the key (``fsdp_offload_params``, ...).
+    prefetch).  ``fsdp_offload_params`` (both forms) keeps shards in host memory (``offload.py``).  Options
+    that cannot be honoured raise naming the key (``fsdp_ignored_modules``, ...).
     """
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import ShardingStrategy
@@ -196,10 +200,8 @@ def options_from_plugin(
 
     opts.state_dict_type = state_dict_type_name(plugin)
 
-    offload = getattr(plugin, "cpu_offload", None)
     # FSDP1: CPUOffload(offload_params=...); FSDP2: OffloadPolicy() (off) or CPUOffloadPolicy (on)
-    if getattr(offload, "offload_params", False) or type(offload).__name__ == "CPUOffloadPolicy":
-        raise ValueError("fsdp_offload_params: true is not supported by accel_flatshard; set it to false")
+    opts.offload_params = wants_offload(getattr(plugin, "cpu_offload", None))
     if getattr(plugin, "ignored_modules", None):
         raise ValueError("fsdp_ignored_modules is not supported by accel_flatshard; remove it from fsdp_config")
     if getattr(plugin, "activation_checkpointing_offload", False):
@@ -249,6 +251,7 @@ def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
     wrap policy, mixed precision, activation checkpointing) means the same in both versions.
     """
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
     from torch.distributed.fsdp import ShardingStrategy
 
     if getattr(plugin, "fsdp_version", 1) != 2:
@@ -265,6 +268,7 @@ def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
     plugin.forward_prefetch = options.forward_prefetch
     plugin.sync_module_states = options.sync_module_states
     plugin.use_orig_params = True
+    plugin.cpu_offload = TorchCPUOffload(offload_params=options.offload_params)
 
 
 def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, str]) -> Optional[MixedPrecision]:

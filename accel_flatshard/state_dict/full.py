@@ -53,7 +53,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
     if gathers:
         for flat in model.flat_params:
             buf = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-            group.all_gather(buf, flat.local_shard, async_op=False)
+            # (.to: under CPU offload the shard is host memory; the gather runs on the shards' device)
+            group.all_gather(buf, flat.local_shard.to(buf.device), async_op=False)
             if receives:
                 for slot, p in zip(flat.layout.slots, flat.params):
                     t = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)

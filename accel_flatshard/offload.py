@@ -1,0 +1,136 @@
+"""CPU offload of parameters (``fsdp_offload_params: true``): what lives in host memory and how it moves.
+
+With :class:`CPUOffload` ``(offload_params=True)`` everything persistent of a flat parameter lives in host
+memory (pinned where the device is a GPU, so copies run asynchronously to the host):
+
+* ``local_shard`` - the fp32 master shard; the original parameters are views of it, so the optimizer
+  steps on the host and keeps its state there;
+* ``sharded_grad`` - the reduced gradient shard; one pinned buffer per flat parameter, kept across steps
+  (``zero_grad()`` sets ``.grad`` to None but the buffer is reused, not freed and re-pinned);
+* a pinned staging buffer, only when gradients accumulate over several backwards (the new shard lands
+  there and the host adds it).
+
+The device holds only what is in flight: the copied shard of a unit being gathered (freed once the
+all-gather read it), the gathered units, full gradients until they are reduced, the reduced shard until
+its copy to the host is issued, and activations.  The engine (``engine.py``) does the moves on its side
+streams through the device adapter (``streams.py``: ``to_device`` / ``to_host`` / ``host_empty``):
+
+1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather;
+2. compute;
+3. reduce-scatter (reduce-scatter stream), post-divide, cast to the shard dtype, device -> host into this
+   module's target buffer on the same stream (the replica stream under hybrid sharding);
+4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers.
+
+On a CPU device the host *is* the device: the copies are no-ops or host copies and nothing is pinned.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .flat_param import FlatParameter
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """torch FSDP1's ``CPUOffload``: ``offload_params=True`` keeps shards, gradients and optimizer state
+    in host memory; the device holds only gathered units, unreduced gradients and activations."""
+
+    offload_params: bool = False
+
+
+def wants_offload(cpu_offload: Any) -> bool:
+    """``cpu_offload`` as given to the wrapper: None, a bool, ours or torch's ``CPUOffload``, or torch
+    FSDP2's ``CPUOffloadPolicy`` / ``OffloadPolicy``."""
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        return bool(cpu_offload)
+    if type(cpu_offload).__name__ == "CPUOffloadPolicy":
+        return True
+    if hasattr(cpu_offload, "offload_params"):
+        return bool(cpu_offload.offload_params)
+    if type(cpu_offload).__name__ == "OffloadPolicy":
+        return False
+    raise TypeError(
+        f"cpu_offload must be None, a bool, CPUOffload(offload_params=...) or CPUOffloadPolicy, got {cpu_offload!r}"
+    )
+
+
+class HostOffload:
+    """The host-side buffers of an offloaded model and the device adapter that moves them."""
+
+    def __init__(self, streams: Any) -> None:
+        self.streams = streams
+        self._staging: Dict[FlatParameter, torch.Tensor] = {}
+        # every host buffer allocated (all persistent: reused, never freed while the model lives)
+        self.host_buffers: List[torch.Tensor] = []
+
+    @property
+    def pinned_allocations(self) -> int:
+        return len(self.host_buffers)
+
+    def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.host_buffers.append(self.streams.host_empty(numel, dtype))
+        return self.host_buffers[-1]
+
+    def place_shard(self, flat: FlatParameter) -> None:
+        """Give ``flat`` a host (pinned) ``local_shard``; call before the shard is filled and the
+        parameters are pointed at it."""
+        flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()
+        flat.keep_grad_buffer = True
+        for p in flat.params:
+            p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
+
+    def shard_on_device(self, flat: FlatParameter) -> torch.Tensor:
+        """A device copy of the host shard, issued on the current (all-gather) stream."""
+        return self.streams.to_device(flat.local_shard)
+
+    def grad_target(self, flat: FlatParameter) -> torch.Tensor:
+        """Host buffer that receives this backward's reduced shard of ``flat``.
+
+        When every ``.grad`` is None (first backward after ``zero_grad()``) the shard lands straight in
+        ``sharded_grad``; otherwise (gradient accumulation, or a ``.grad`` set by the user) in a staging
+        buffer that the host adds at the end of backward.  Both are allocated once and reused."""
+        fresh = all(p.grad is None for p in flat.params)
+        if flat.sharded_grad is None:
+            flat.sharded_grad = self._host_empty(flat.layout.shard_numel, flat.dtype)
+        if fresh:
+            return flat.sharded_grad
+        if flat not in self._staging:
+            self._staging[flat] = self._host_empty(flat.layout.shard_numel, flat.dtype)
+        return self._staging[flat]
+
+
+# ---------------------------------------------------------------------- the host optimizer step
+# Measured (benchmarks/offload_adamw.py, 40M parameters, 2 CPU threads, torch 2.13): AdamW for-loop 49 ms,
+# foreach 54 ms, fused 12.7 ms per step; fused differs from the for-loop by at most 6 ulps where
+# |p| >= 1e-3 (2.4e-7 absolute).  torch picks the for-loop for CPU tensors unless told otherwise.
+_FAST_HOST_STEP_WARNED = False
+
+
+def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Offload onto a GPU moved the user's (Adam/AdamW) step to the host, where torch's default is its
+    slowest variant: use the fused CPU kernel instead, unless the user chose ``foreach`` or ``fused``."""
+    global _FAST_HOST_STEP_WARNED
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+            continue
+        offloaded = [getattr(p, "_flatshard_offload", None) for p in group["params"]]
+        if not offloaded or not all(o is not None and o.streams.stream_ordered for o in offloaded):
+            continue
+        group["fused"] = True
+        optimizer._step_supports_amp_scaling = True  # as torch sets for fused optimizers (GradScaler)
+        if not _FAST_HOST_STEP_WARNED:
+            _FAST_HOST_STEP_WARNED = True
+            warnings.warn("accel_flatshard: with CPU offload the Adam/AdamW step runs on the host; using "
+                          "fused=True there (about 4x faster than torch's CPU default, same result within a few "
+                          "ulps). Pass foreach=False or fused=False to the optimizer to keep the for-loop.",
+                          stacklevel=3)
+
+
+register_optimizer_step_pre_hook(_prefer_fused_host_adam)

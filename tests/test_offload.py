@@ -1,0 +1,92 @@
+"""CPU offload (issue 17, ``offload.py``) on a CPU host: the same engine path with host copies.
+
+On CPU the host is the device, so offload must train bit for bit like the run without it while still
+going through the offload bookkeeping (host gradient targets, staging for accumulation, reused host
+buffers).  Single process (gloo, world size 1); the GPU schedule is checked by simulation in
+``test_offload_sim.py`` and on a real GPU by ``benchmarks/gpu_check.sh``.
+"""
+import pytest
+import torch
+
+from accel_flatshard import CPUOffload, FullyShardedDataParallel, MixedPrecision, transformer_auto_wrap_policy
+from models import batches, llama, llama_layer_class
+
+pytestmark = pytest.mark.usefixtures("world_of_one")
+
+
+def _model(offload, mp=None, freeze=True):
+    model = llama(n_layer=3)
+    if freeze:
+        model.model.layers[1].requires_grad_(False)  # a frozen unit: no gradient, no reduction
+    return FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
+                                    mixed_precision=mp, cpu_offload=CPUOffload(offload_params=offload))
+
+
+def _train(model, accumulation, steps=3, clip=None):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for x in batches(steps):
+        micro = x.chunk(2) if accumulation != "none" else [x]
+        for i, m in enumerate(micro):
+            no_sync = accumulation == "no_sync" and i < len(micro) - 1
+            ctx = model.no_sync() if no_sync else torch.enable_grad()
+            with ctx:
+                loss = model(input_ids=m, labels=m).loss / len(micro)
+                loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            losses.append(model.clip_grad_norm_(clip).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("accumulation", ["none", "no_sync", "per_micro_step"])
+@pytest.mark.parametrize("mp", [None, MixedPrecision(param_dtype=torch.bfloat16)], ids=["fp32", "bf16"])
+def test_offload_on_cpu_trains_bit_for_bit_like_without(accumulation, mp):
+    with_offload = _train(_model(True, mp), accumulation)
+    without = _train(_model(False, mp), accumulation)
+    assert with_offload[0] == without[0]
+    assert all(torch.equal(a, b) for a, b in zip(with_offload[1], without[1]))
+
+
+def test_offload_on_cpu_matches_the_plain_model_with_clipping():
+    """Gradients clipped on the host by their global norm, then AdamW on the host shards."""
+    plain = llama(n_layer=3)
+    plain.model.layers[1].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    ref = []
+    for x in batches(3):
+        loss = plain(input_ids=x, labels=x).loss
+        loss.backward()
+        ref += [loss.item(), torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5).item()]
+        opt.step()
+        opt.zero_grad()
+    losses, _ = _train(_model(True), "none", clip=0.5)
+    assert losses == pytest.approx(ref, abs=1e-5)
+
+
+def test_offloaded_host_buffers_are_allocated_once_and_reused():
+    """Shards, gradients and (with accumulation) staging buffers: allocated in the first step, reused by
+    every later step, also across zero_grad() (set to None)."""
+    model = _model(True)
+    offload = model._root.engine.offload
+    _train(model, "per_micro_step", steps=1)
+    after_first = offload.pinned_allocations
+    trainable = sum(f.requires_grad for f in model.flat_params)
+    assert after_first == len(model.flat_params) + 2 * trainable  # shard each; grad + staging per trainable
+    _train(model, "per_micro_step", steps=3)
+    assert offload.pinned_allocations == after_first
+    assert all(f.sharded_grad is not None for f in model.flat_params if f.requires_grad)  # kept, not freed
+
+
+def test_cpu_offload_accepts_torch_forms():
+    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from accel_flatshard.offload import wants_offload
+
+    assert wants_offload(TorchCPUOffload(offload_params=True)) and wants_offload(CPUOffloadPolicy())
+    assert not wants_offload(TorchCPUOffload()) and not wants_offload(OffloadPolicy()) and not wants_offload(None)
+    with pytest.raises(TypeError, match="cpu_offload"):
+        wants_offload("yes")
