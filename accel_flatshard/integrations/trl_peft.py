@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch.nn as nn
 
 from ..fully_sharded import FullyShardedDataParallel
+from ..generation import patch_trl_summon
 
 _LIBRARIES = ("accelerate", "transformers", "peft", "trl")
 _PATCHED_MARK = "_accel_flatshard_patched"
@@ -39,6 +40,7 @@ def patch_libraries() -> None:
     _replace_everywhere("extract_model_from_parallel", original, _unwrapping(original))
 
     if "trl" in sys.modules:  # never import TRL ourselves (slow, optional)
+        patch_trl_summon()  # TRL's summon_full_params seam around generation (generation.py)
         try:
             import trl.models.utils as trl_model_utils
         except ImportError:  # an old TRL without it: nothing to patch
