@@ -148,3 +148,36 @@ def _frozen_wrapped():
     plain.load_state_dict(model.state_dict())
     model.requires_grad_(False)
     return FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model)), plain
+
+
+# ---------------------------------------------------------------------- TRL online RL through the seam
+def _trl_both(tmp, *args):
+    script = SCRIPTS / "trl_grpo.py"
+    launch(ddp_config(tmp), script, [*args, "--output_dir", str(tmp / "ddp"), "--output_json", str(tmp / "ddp.json")],
+           ddp=True)
+    launch(CPU_FSDP_YAML, script, [*args, "--output_dir", str(tmp / "fs"), "--output_json", str(tmp / "fs.json")],
+           via_run=True)
+    return read_json(tmp / "ddp.json"), read_json(tmp / "fs.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_trl_online_rl_through_the_summon_seam_follows_ddp(tmp_path, trainer):
+    """TRL's ``DistributedBackend.summon_full_params(model_wrapped, recurse=False)`` reaches our summon."""
+    ddp, ours = _trl_both(tmp_path, "--trainer", trainer)
+    assert ours["seam_patched"] and not ddp["seam_patched"]
+    assert len(ours["losses"]) == 3
+    assert max_abs_diff(ours["losses"], ddp["losses"]) < 1e-5
+    assert max_abs_diff(ours["rewards"], ddp["rewards"]) < 1e-5  # same generations
+    assert ours["ref_class"] == "FullyShardedDataParallel"
+
+
+@pytest.mark.slow
+def test_grpo_with_bf16_runs_and_keeps_fp32_masters(tmp_path):
+    launch(CPU_FSDP_YAML, SCRIPTS / "trl_grpo.py",
+           ["--bf16", "--output_dir", str(tmp_path / "fs"), "--output_json", str(tmp_path / "fs.json")], via_run=True)
+    ours = read_json(tmp_path / "fs.json")
+    assert ours["seam_patched"] and len(ours["losses"]) == 3
+    assert all(abs(x) < 1e3 for x in ours["losses"]) and all(r is not None for r in ours["rewards"])
+    assert ours["param_dtypes"] == ["torch.float32"]  # the master shards stay fp32
+    assert ours["ref_class"] == "FullyShardedDataParallel"  # sharded (not an unsharded CPU fallback)
