@@ -10,7 +10,9 @@ schedule) costs W-1 shards of the whole model per token.  This module owns the a
   entry back, and a dtype cast is never written back, so the fp32 masters keep every bit.
 * A *generation session* around ``generate()`` of the unwrapped model (its ``generate`` is wrapped at
   wrap time, :func:`install`): units chosen by the plan are kept gathered (``Unit.keep_gathered``) from
-  their first forward to the end of the call, in compute dtype; the others are gathered per step.
+  their first forward to the end of the call, in compute dtype; the others are gathered per step.  When
+  the plan keeps every unit, all are gathered at the start and the parameters point at the gathered
+  buffers for the call (the plain module runs; no hook work per decoding step).
   ``FLATSHARD_GENERATION_MODE``:
     - ``budget`` (default): keep units while the gathered bytes held at any moment stay within
       ``FLATSHARD_GENERATION_BUDGET_MB`` (default ``auto``: half the memory free when generate()
@@ -21,9 +23,11 @@ schedule) costs W-1 shards of the whole model per token.  This module owns the a
 * TRL's seam (:func:`patch_trl_summon`): ``DistributedBackend.summon_full_params(model_wrapped,
   recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master dtype)
   fits the budget, else the generation session.
-* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model without trainable
-  parameters (DPO/KTO/GRPO reference) keeps its units gathered across its no-grad forwards until the
-  next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after it), within the budget.
+* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model's no-grad forwards
+  (the DPO/KTO/GRPO reference's log-probs) keep its units gathered (within the budget) for its next
+  no-grad forwards, until the next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after
+  it), a forward of that model with grad, or ``ensure_idle``.  Writing to the shards by other means in
+  between needs ``model.ensure_idle(...)`` first.
 
 Every kept unit is released by ``ensure_idle`` (checkpoint loads, summon) so no stale buffer survives a
 write to the shards.
@@ -54,7 +58,7 @@ GENERATION_MODE_ENV = "FLATSHARD_GENERATION_MODE"
 GENERATION_BUDGET_ENV = "FLATSHARD_GENERATION_BUDGET_MB"
 """``auto`` (default) or MiB (float): gathered bytes a generation may hold at once, per rank."""
 KEEP_FROZEN_ENV = "FLATSHARD_KEEP_FROZEN_GATHERED"
-"""bool, default false: frozen wrapped models keep units gathered until the next optimizer step."""
+"""bool, default false: no-grad forwards keep units gathered until the next optimizer step."""
 MODES = ("budget", "full", "per_unit")
 
 
@@ -264,10 +268,42 @@ class GenerationControl:
         self.keep(self.plan())
         self.active = True
         try:
-            yield len(self.kept) == len(wrapper.units)
+            if len(self.kept) == len(wrapper.units):
+                with _plain_module_on_gathered(wrapper):
+                    yield True
+            else:
+                yield False
         finally:
             self.active = False
             self.release()
+
+
+@contextlib.contextmanager
+def _plain_module_on_gathered(wrapper: _Wrapper) -> Iterator[None]:
+    """Gather-once: every unit gathered now (compute dtype), the parameters pointed at the gathered
+    buffers and the unit hooks stood aside (``SUMMONED``), so decoding steps run the plain module: no
+    per-step hook work either."""
+    wrapper._root.engine.begin_step()  # (CUDA: gathers see the latest optimizer update)
+    for unit in wrapper.units:
+        unit.unshard()
+    grads = []
+    try:
+        for unit in wrapper.units:
+            unit.wait_unshard()
+            unit.state = UnitState.SUMMONED
+            for flat in unit.flat_params:
+                grads.append((flat, [p.grad for p in flat.params]))
+                for p in flat.params:
+                    p.grad = None  # (a full-shaped .data next to a 1-D .grad)
+                flat.point_params_at_full(flat.unsharded.detach())
+        yield
+    finally:
+        for flat, flat_grads in grads:
+            flat.point_params_at_shard()
+            for p, g in zip(flat.params, flat_grads):
+                p.grad = g
+        for unit in wrapper.units:
+            unit.state = UnitState.IDLE
 
 
 def _mib(n: int) -> str:
@@ -313,9 +349,8 @@ def install(wrapper: _Wrapper) -> None:
     module.__dict__[_CONTROL_ATTR] = control
     if callable(getattr(type(module), "generate", None)):
         module.__dict__["generate"] = types.MethodType(_generate_in_session, module)
-    if wrapper.flat_params and not any(f.requires_grad for f in wrapper.flat_params):
-        module.register_forward_pre_hook(_keep_frozen_units)
-        _FROZEN_CONTROLS.add(control)
+    module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
+    _CONTROLS.add(control)
 
 
 def _generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -328,21 +363,28 @@ def _generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return type(self).generate(self, *args, **kwargs)
 
 
-_FROZEN_CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
+_CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
 
 
-def _keep_frozen_units(module: nn.Module, args: Any) -> None:
-    """Root pre-forward of a frozen model (after the root unit's own hook): keep its units gathered."""
+def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
+    """Root pre-forward (after the root unit's own hook).  With ``keep_frozen_gathered``: a no-grad forward
+    (a reference model's log-probs) keeps the planned units gathered for the following ones; a forward
+    with grad first releases them (training frees units after use as always)."""
     control: GenerationControl = module.__dict__[_CONTROL_ATTR]
-    if not control.options.keep_frozen_gathered or control.active or control.kept or torch.is_grad_enabled():
+    if not control.options.keep_frozen_gathered or control.active:
         return
-    if any(u.state == UnitState.SUMMONED for u in control.wrapper.units):
+    if torch.is_grad_enabled():
+        if control.kept:
+            control.release()
+        return
+    if control.kept or any(u.state == UnitState.SUMMONED for u in control.wrapper.units):
         return
     control.keep(control.plan())
 
 
 def _release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for control in list(_FROZEN_CONTROLS):
+    """Any optimizer step may change shards (and TRL's ``sync_ref_model`` writes the reference after it)."""
+    for control in list(_CONTROLS):
         if control.kept and not control.active:
             control.release()
 

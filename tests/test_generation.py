@@ -125,6 +125,13 @@ def test_frozen_model_keeps_units_until_the_optimizer_step(world_of_one):
         assert all(f.is_unsharded for f in frozen_ref.flat_params)  # kept across micro-batches
         second = frozen_ref(ids).logits
     assert torch.equal(first, ref_plain(ids).logits) and torch.equal(second, first)
+    from accel_flatshard.generation import control_of
+
+    frozen_ref(ids)  # a forward with grad releases them first (training frees units after use)
+    assert not control_of(frozen_ref).kept
+    with torch.no_grad():
+        frozen_ref(ids)
+    assert control_of(frozen_ref).kept and all(f.is_unsharded for f in frozen_ref.flat_params)
     trainable = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([trainable], lr=0.1)
     trainable.grad = torch.ones(1)
