@@ -39,6 +39,12 @@ ENV_VARS: Dict[str, str] = {
     "FLATSHARD_PROFILE": "directory: switch the profiler on and write one Chrome trace per rank there "
     "(1: the table only)",
     "FLATSHARD_PROFILE_EVERY": "with FLATSHARD_PROFILE: print the profiler table every N steps (default 10)",
+    # generation (read by accel_flatshard.generation)
+    "FLATSHARD_GENERATION_MODE": "budget | full | per_unit: units kept gathered during generate() (default budget)",
+    "FLATSHARD_GENERATION_BUDGET_MB": "auto | MiB: gathered bytes generation may hold per rank (default auto: half "
+    "the free memory; the whole model fits -> one gather per generate())",
+    "FLATSHARD_KEEP_FROZEN_GATHERED": "1 | 0: no-grad forwards (reference models) keep units gathered until the "
+    "next optimizer step (default 0)",
 }
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
