@@ -188,3 +188,24 @@ def test_grpo_with_bf16_runs_and_keeps_fp32_masters(tmp_path):
     assert all(abs(x) < 1e3 for x in ours["losses"]) and all(r is not None for r in ours["rewards"])
     assert ours["param_dtypes"] == ["torch.float32"]  # the master shards stay fp32
     assert ours["ref_class"] == "FullyShardedDataParallel"  # sharded (not an unsharded CPU fallback)
+
+
+def test_slower_modes_say_so_once_with_the_option_to_set(world_of_one):
+    from accel_flatshard.generation import set_generation_options, unit_bytes
+
+    wrapped, reference = _tiny_wrapped()
+    ids = torch.randint(3, 64, (1, 4))
+    kw = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = reference.generate(ids, **kw)
+    set_generation_options(wrapped, mode="per_unit")
+    with pytest.warns(UserWarning, match="FLATSHARD_GENERATION_MODE=budget"):
+        assert torch.equal(wrapped.module.generate(ids, **kw), expected)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        wrapped.module.generate(ids, **kw)
+    total = sum(unit_bytes(u) for u in wrapped.units)
+    set_generation_options(wrapped, mode="budget", budget_bytes=total - 1)
+    with pytest.warns(UserWarning, match="FLATSHARD_GENERATION_BUDGET_MB"):
+        assert torch.equal(wrapped.module.generate(ids, **kw), expected)
