@@ -209,3 +209,20 @@ def test_slower_modes_say_so_once_with_the_option_to_set(world_of_one):
     set_generation_options(wrapped, mode="budget", budget_bytes=total - 1)
     with pytest.warns(UserWarning, match="FLATSHARD_GENERATION_BUDGET_MB"):
         assert torch.equal(wrapped.module.generate(ids, **kw), expected)
+
+
+@pytest.mark.slow
+def test_under_bf16_mixed_precision_generation_leaves_training_bitwise_unchanged(tmp_path):
+    """bf16 compute (fp32 masters): every generation mode and the summon with ``to(torch.bfloat16)``, then two
+    training steps; the losses equal bitwise those of the same launch that never generated."""
+    from launch_helpers import fsdp_config
+
+    yaml = fsdp_config(tmp_path, "bf16.yaml", mixed_precision="bf16")
+    script = SCRIPTS / "gen_parity.py"
+    launch(yaml, script, ["--output_json", str(tmp_path / "gen.json")], via_run=True)
+    launch(yaml, script, ["--skip_generation", "--output_json", str(tmp_path / "plain.json")], via_run=True)
+    generated, plain = read_json(tmp_path / "gen.json"), read_json(tmp_path / "plain.json")
+    assert generated["masters_fp32"] and generated["masters_bitwise"] and generated["buffers_kept"]
+    assert generated["losses"] == plain["losses"]
+    assert generated["gathers"]["full"] == generated["num_flats"]
+    assert generated["tokens"]["full"] == generated["tokens"]["per_unit"] == generated["tokens"]["budget"]

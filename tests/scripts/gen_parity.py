@@ -32,6 +32,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--output_json", required=True)
     p.add_argument("--new_tokens", type=int, default=12)
+    p.add_argument("--skip_generation", action="store_true", help="only the training steps (the reference)")
     args = p.parse_args()
 
     accelerator = Accelerator()
@@ -49,7 +50,9 @@ def main():
         return accelerator.gather(tokens.contiguous()).tolist()
 
     result = {"tokens": {}, "gathers": {}, "peak_held": {}, "plan": {}}
-    if sharded:
+    if args.skip_generation:
+        pass
+    elif sharded:
         from accel_flatshard.generation import control_of, set_generation_options, unit_bytes
 
         group = model.shard_group
@@ -93,13 +96,14 @@ def main():
                 tokens = unwrapped.generate(prompts, **gen_kwargs)
                 result["gathers"][f"summon_wb{int(writeback)}"] = counter["n"]
             result["tokens"][f"summon_wb{int(writeback)}"] = all_ranks(tokens)
+        buffer_dtypes = [b.dtype for b in unwrapped.buffers()]
         with model.summon_full_params():
             unwrapped.to(torch.bfloat16)
             tokens = unwrapped.generate(prompts, **gen_kwargs)
         result["tokens"]["summon_bf16"] = all_ranks(tokens)
         result["masters_fp32"] = all(f.local_shard.dtype == torch.float32 for f in model.flat_params)
         result["params_fp32"] = all(q.dtype == torch.float32 for q in unwrapped.parameters())
-        result["buffers_kept"] = all(b.dtype == torch.float32 for b in unwrapped.buffers() if b.is_floating_point())
+        result["buffers_kept"] = [b.dtype for b in unwrapped.buffers()] == buffer_dtypes
         result["masters_bitwise"] = all(torch.equal(a, f.local_shard) for a, f in zip(masters, model.flat_params))
     else:
         for name in ("full", "budget", "auto", "per_unit", "summon_wb0", "summon_wb1"):
@@ -120,7 +124,8 @@ def main():
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
     with torch.no_grad():
         losses.append(accelerator.gather(model(input_ids=batch, labels=batch).loss[None]).mean().item())
-        result["tokens"]["after_training"] = all_ranks(unwrapped.generate(prompts, **gen_kwargs))
+        if not args.skip_generation:
+            result["tokens"]["after_training"] = all_ranks(unwrapped.generate(prompts, **gen_kwargs))
     result["losses"] = losses
     if accelerator.is_main_process:
         with open(args.output_json, "w") as f:
