@@ -41,7 +41,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
