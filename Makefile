@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: example test test-all bench clean
+.PHONY: example test test-all bench bench-gen clean
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -22,6 +22,9 @@ test-all: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/bench.py
+
+bench-gen: $(VENV_STAMP)
+	$(PY) benchmarks/gen_bench.py
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import options
+from . import generation, options
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
 from .comm import ShardGroup
 from .engine import Engine
 from .flat_param import FlatParameter
+from .generation import check_summon_kwargs, control_of, summoned
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
@@ -315,6 +316,7 @@ class FullyShardedDataParallel(nn.Module):
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
         module_hooks.install(self)  # state_dict() of the wrapper and of the module gathers (collective)
+        generation.install(self)  # gather-once generate(), frozen models kept gathered
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, device) -> FlatParameter:
@@ -399,38 +401,22 @@ class FullyShardedDataParallel(nn.Module):
             self._root.sync_grads = previous
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True, recurse: bool = True, **torch_kwargs: bool) -> Iterator[None]:
         """Gather every parameter in full: inside, the model's parameters have their real shapes, so
-        ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works.
+        ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works; forwards
+        and ``generate()`` inside run the plain model, gathering nothing.
 
-        With ``writeback`` (default) changes made inside are kept.  Example::
+        With ``writeback`` (default) changes made inside are kept; ``model.to(dtype)`` inside is undone on
+        exit.  ``recurse`` is accepted for torch FSDP's signature: the whole model is gathered either way
+        (units are not nested instances).  See ``generation.py``.  Example::
 
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
         """
+        check_summon_kwargs(**torch_kwargs)
         self.ensure_idle("summon_full_params")
-        gathered: List[Tuple[FlatParameter, torch.Tensor, List[Optional[torch.Tensor]]]] = []
-        try:
-            for flat in self.flat_params:
-                full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-                self.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)
-                grads = [p.grad for p in flat.params]
-                for p in flat.params:
-                    p.grad = None
-                flat.point_params_at_full(full)
-                gathered.append((flat, full, grads))
-            for unit in self.units:
-                unit.state = UnitState.SUMMONED
+        with summoned(self, writeback):
             yield
-        finally:
-            for flat, full, grads in gathered:
-                if writeback:
-                    flat.set_local_shard_from_full(full)
-                flat.point_params_at_shard()
-                for p, g in zip(flat.params, grads):
-                    p.grad = g
-            for unit in self.units:
-                unit.state = UnitState.IDLE
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every rank; returns the total norm."""
@@ -448,6 +434,7 @@ class FullyShardedDataParallel(nn.Module):
         busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
         if busy or self._root.in_backward:
             raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
+        control_of(self).release()  # units kept gathered may go stale once the shards are written
         self._root.engine.drain()
 
     def extra_repr(self) -> str:

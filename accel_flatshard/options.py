@@ -86,6 +86,30 @@ def _profile(text: str) -> Optional[str]:
     return "" if value.lower() in _TRUE else value
 
 
+GENERATION_MODES = ("budget", "full", "per_unit")
+
+
+def _generation_mode(text: str) -> str:
+    value = text.strip().lower().replace("-", "_")
+    if value not in GENERATION_MODES:
+        raise ValueError(f"expected one of {', '.join(GENERATION_MODES)}")
+    return value
+
+
+def _budget_bytes(text: str) -> Optional[int]:
+    """``auto`` -> None (half the free memory when generation starts), else MiB -> bytes."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:
+        raise ValueError("expected 'auto' or a size in MiB >= 0")
+    return int(mib * 2**20)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -122,6 +146,16 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("FLATSHARD_PROFILE_EVERY", "int > 0", 10, "10",
            "with `FLATSHARD_PROFILE`: write / print every N optimizer steps (the last N - 1 steps recorded)",
            _positive_int),
+    Option("FLATSHARD_GENERATION_MODE", "budget \\| full \\| per_unit", "budget", "budget",
+           "units kept gathered during `generate()`: `budget` keeps as many as `FLATSHARD_GENERATION_BUDGET_MB` "
+           "allows (the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per "
+           "token, warned once)", _generation_mode),
+    Option("FLATSHARD_GENERATION_BUDGET_MB", "auto \\| MiB >= 0", None, "auto",
+           "gathered bytes one `generate()` may hold per rank; `auto`: half the free device memory when it "
+           "starts", _budget_bytes),
+    Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0",
+           "no-grad forwards of a model (e.g. a frozen reference model) keep its units gathered until the next "
+           "optimizer step", parse_bool),
 )}
 
 

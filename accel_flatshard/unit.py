@@ -94,6 +94,7 @@ class Unit:
         self._outside_read_pending = False  # read from outside in the running forward (read_outside_forward)
         self._needed_by_backward = False  # read from outside in a forward with grad, its backward still to come
         self._forward_span: Any = None  # the open flatshard::forward[name] profiler span, if a profiler runs
+        self.keep_gathered = False  # kept across forwards by a generation / frozen model (generation.py)
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
@@ -119,6 +120,8 @@ class Unit:
             self.root.engine.wait_unshard(flat, self.name)
 
     def reshard(self) -> None:
+        if self.keep_gathered:
+            return  # generation.py releases it (end of generate(), optimizer step, ensure_idle)
         for flat in self.flat_params:
             self.root.engine.reshard(flat)
 
@@ -127,6 +130,8 @@ class Unit:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.state == UnitState.SUMMONED:
+            return args, kwargs  # inside summon_full_params the parameters are full: the plain module runs
         if self.is_root:
             args, kwargs = self.root.pre_root_forward(args, kwargs)
         if self.root.in_backward:  # activation-checkpointing recomputation through module __call__
@@ -161,6 +166,8 @@ class Unit:
             self._installed_by_recompute = False
 
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.state == UnitState.SUMMONED:
+            return output
         if self.root.in_backward:
             if self._installed_by_recompute:
                 self._uninstall_views()

@@ -118,6 +118,7 @@ def test_kto_trainer_with_reference_model_follows_ddp_and_shards_the_reference(t
 def test_grpo_trainer_with_reference_model_follows_ddp_and_shards_the_reference(tmp_path):
     """Generation runs through the sharded policy (units gathered per forward step)."""
     ddp, ours = _run_both(tmp_path, SCRIPTS / "trl_grpo.py")
+    assert ours["seam_patched"]  # generation goes through our summon (generation.py), not per-token gathers
     assert max_abs_diff(ours["losses"], ddp["losses"]) < LOSS_TOL
     assert max_abs_diff(ours["rewards"], ddp["rewards"]) < LOSS_TOL  # same generations
     assert ours["ref_class"] == "FullyShardedDataParallel"

@@ -48,6 +48,7 @@ class Patch:
     essential: bool = True  # missing target -> RuntimeError (wrong results otherwise), else a warning
     optional_owner: bool = False  # owner not imported -> nothing to do (the library is not in use)
     register_only: bool = False  # applied by register() only, not by every Accelerator
+    introduced_in: str = ""  # library version that added the target: older ones have nothing to patch
 
     @property
     def package(self) -> str:
@@ -87,6 +88,12 @@ PATCHES: Tuple[Patch, ...] = (
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
           "(sync_module_states prepares a GPU param_init_fn accel_flatshard never uses)",
           "accelerate 1.10.1, 1.15", wraps_original=True, essential=False, register_only=True),
+    Patch("trl_summon_full_params", "trl.distributed", "DistributedBackend.summon_full_params",
+          "accel_flatshard.generation:trl_summon_full_params",
+          "TRL's GRPO/RLOO wrap generate() in it; it finds no torch FSDP module in an accel_flatshard model and "
+          "does nothing, so every decoding step would gather the whole model unit by unit (slow, not wrong)",
+          "trl 1.16 (trl 0.24 has no trl.distributed: nothing to patch)", wraps_original=True, essential=False,
+          optional_owner=True, introduced_in="0.25"),
 )
 
 # (module name, attribute path) -> original object, for every binding install() changed
@@ -138,7 +145,19 @@ def _set(module_name: str, module: Any, path: str, original: Any, replacement: A
     applied.append(f"{module_name}.{path}")
 
 
+def _predates(patch: Patch) -> bool:
+    """The installed library is older than the target (e.g. TRL 0.24 has no ``trl.distributed``)."""
+    if not patch.introduced_in:
+        return False
+    from packaging.version import Version
+
+    installed = _version(patch.package)
+    return installed != "not installed" and Version(installed) < Version(patch.introduced_in)
+
+
 def _apply(patch: Patch, applied: List[str]) -> None:
+    if _predates(patch):
+        return
     owner = sys.modules.get(patch.owner)
     if owner is None:
         if patch.optional_owner and patch.package not in sys.modules:

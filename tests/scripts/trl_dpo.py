@@ -20,12 +20,13 @@ def main():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--output_json", required=True)
+    p.add_argument("--grad_accum", type=int, default=1)
     args = p.parse_args()
 
     config = DPOConfig(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=2,
                        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
                        data_seed=0, lr_scheduler_type="constant", disable_tqdm=True, max_length=32, beta=0.1,
-                       bf16=False, fp16=False)
+                       bf16=False, fp16=False, gradient_accumulation_steps=args.grad_accum)
     recorder = LossRecorder()
     model = tiny_model("llama")
     kwargs = {}
@@ -38,7 +39,8 @@ def main():
     trainer.train()
     state = trainer.accelerator.state
     result = {"losses": recorder.losses, "logs": recorder.logs, "model_info": recorder.model_info,
-              "distributed_type": str(state.distributed_type), "num_processes": state.num_processes}
+              "distributed_type": str(state.distributed_type), "num_processes": state.num_processes,
+              "train_runtime": trainer.state.log_history[-1].get("train_runtime")}
     if trainer.ref_model is not None:
         result["ref_info"] = numel_info(trainer.ref_model)
         result["ref_class"] = type(trainer.ref_model).__name__

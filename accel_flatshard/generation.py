@@ -1,0 +1,420 @@
+"""Generation and online RL under sharding: how often units are gathered while a model generates.
+
+Per decoding step a sharded model runs one forward; gathering every unit at every step (the training
+schedule) costs W-1 shards of the whole model per token.  This module owns the alternatives:
+
+* ``summoned(wrapper, writeback)``: the body of ``summon_full_params``.  Every parameter becomes a
+  full tensor of the master dtype; forwards inside run the plain module (unit hooks stand aside:
+  ``UnitState.SUMMONED``), so ``generate()`` there gathers nothing.  ``model.to(torch.bfloat16)`` inside
+  (TRL's GRPO/RLOO with ``bf16=True``) is undone on exit: parameters and buffers get their dtype at
+  entry back, and a dtype cast is never written back, so the fp32 masters keep every bit.
+* A *generation session* around ``generate()`` of the unwrapped model (its ``generate`` is wrapped at
+  wrap time, :func:`install`): units chosen by the plan are kept gathered (``Unit.keep_gathered``) from
+  their first forward to the end of the call, in compute dtype; the others are gathered per step.  When
+  the plan keeps every unit, all are gathered at the start and the parameters point at the gathered
+  buffers for the call (the plain module runs; no hook work per decoding step).
+  ``FLATSHARD_GENERATION_MODE``:
+    - ``budget`` (default): keep units while the gathered bytes held at any moment stay within
+      ``FLATSHARD_GENERATION_BUDGET_MB`` (default ``auto``: half the memory free when generate()
+      starts: device memory on CUDA, MemAvailable on CPU).  When the whole model fits that is one
+      gather per ``generate()`` (gather-once); otherwise the budget mode, logged once.
+    - ``full``: keep every unit, whatever the memory (DeepSpeed's ``ds3_gather_for_generation``).
+    - ``per_unit``: the training schedule at every step (logged once when a faster mode would fit).
+* TRL's seam (:func:`trl_summon_full_params`, an entry of ``integrations/patches.py``): ``DistributedBackend.summon_full_params(model_wrapped,
+  recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master dtype)
+  fits the budget, else the generation session.
+* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model's no-grad forwards
+  (the DPO/KTO/GRPO reference's log-probs) keep its units gathered (within the budget) for its next
+  no-grad forwards, until the next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after
+  it), a forward of that model with grad, or ``ensure_idle``.  Writing to the shards by other means in
+  between needs ``model.ensure_idle(...)`` first.
+
+Every kept unit is released by ``ensure_idle`` (checkpoint loads, summon) so no stale buffer survives a
+write to the shards.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Tuple
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import options
+from .unit import Unit, UnitState
+
+if TYPE_CHECKING:
+    from .flat_param import FlatParameter
+
+MODES = options.GENERATION_MODES
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    mode: str = "budget"
+    budget_bytes: Optional[int] = None  # None: half the free memory when generation starts
+    keep_frozen_gathered: bool = False
+
+
+def generation_options_from_env() -> GenerationOptions:
+    """The generation options of the ``FLATSHARD_GENERATION_*`` variables (declared in options.py)."""
+    return GenerationOptions(options.get("FLATSHARD_GENERATION_MODE"), options.get("FLATSHARD_GENERATION_BUDGET_MB"),
+                             options.get("FLATSHARD_KEEP_FROZEN_GATHERED"))
+
+
+class _Wrapper(Protocol):
+    """What this module needs of ``FullyShardedDataParallel`` (no import back into fully_sharded.py)."""
+
+    module: nn.Module
+    shard_group: Any
+    _root: Any
+
+    @property
+    def units(self) -> List[Unit]: ...
+    @property
+    def flat_params(self) -> List["FlatParameter"]: ...
+    def summon_full_params(self, writeback: bool = True, recurse: bool = True) -> Any: ...
+
+
+# ---------------------------------------------------------------------- summon_full_params
+def check_summon_kwargs(rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False) -> None:
+    """torch FSDP's other ``summon_full_params`` arguments are accepted at their defaults only."""
+    if rank0_only or offload_to_cpu or with_grads:
+        raise NotImplementedError(
+            "accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
+            f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank gets the "
+            "full parameters on the model's device"
+        )
+
+
+@contextlib.contextmanager
+def summoned(wrapper: _Wrapper, writeback: bool) -> Iterator[None]:
+    """Parameters as full tensors (master dtype) until exit; see the module docstring."""
+    buffers = [(m, n, b) for m in wrapper.module.modules() for n, b in m._buffers.items() if b is not None]
+    gathered: List[Tuple[Any, torch.Tensor, list, List[torch.Tensor]]] = []
+    try:
+        for flat in wrapper.flat_params:
+            full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+            wrapper.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)  # offload: host shard
+            grads = [p.grad for p in flat.params]
+            for p in flat.params:
+                p.grad = None
+            flat.point_params_at_full(full)
+            gathered.append((flat, full, grads, [p.data for p in flat.params]))
+        for unit in wrapper.units:
+            unit.state = UnitState.SUMMONED
+        yield
+    finally:
+        for flat, full, grads, views in gathered:
+            if writeback:
+                for p, view in zip(flat.params, views):
+                    # `p.data = new` inside keeps its values; a dtype cast (model.to(bf16)) is not a change
+                    # of values and must not round the masters
+                    if p.data.data_ptr() != view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
+                        view.copy_(p.data)
+                flat.set_local_shard_from_full(full)
+            flat.point_params_at_shard()
+            for p, g in zip(flat.params, grads):
+                p.grad = g
+        for module, name, buf in buffers:
+            now = module._buffers.get(name)
+            if now is not None and now is not buf and now.dtype != buf.dtype:
+                module._buffers[name] = buf  # cast inside the summon (model.to(dtype)): the original comes back
+        for unit in wrapper.units:
+            unit.state = UnitState.IDLE
+
+
+# ---------------------------------------------------------------------- planning
+def unit_bytes(unit: Unit, master: bool = False) -> int:
+    """Bytes of ``unit`` gathered: compute dtype (per-unit / session) or master dtype (summon)."""
+    total = 0
+    for flat in unit.flat_params:
+        dtype = flat.dtype if master else flat.compute_dtype
+        total += flat.layout.padded_numel * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free now: the device's on CUDA, MemAvailable of the host otherwise."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def peak_held_bytes(units: List[Unit], kept: List[Unit], forward_prefetch: bool, master: bool = False) -> int:
+    """Gathered bytes held at the worst moment of a decoding step when ``kept`` stay gathered: the kept
+    units, the root (gathered for the whole forward) and the largest other unit (two with prefetch)."""
+    kept_ids = {id(u) for u in kept}
+    held = sum(unit_bytes(u, master) for u in kept)
+    root = [u for u in units if u.is_root and id(u) not in kept_ids]
+    others = sorted((unit_bytes(u, master) for u in units if not u.is_root and id(u) not in kept_ids), reverse=True)
+    held += sum(unit_bytes(u, master) for u in root) + sum(others[: 2 if forward_prefetch else 1])
+    return held
+
+
+def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, master: bool = False) -> List[Unit]:
+    """Units to keep gathered so that :func:`peak_held_bytes` stays within ``budget``: the root first
+    (gathered for the whole forward anyway), then the others in model order."""
+    kept: List[Unit] = []
+    for unit in sorted(units, key=lambda u: not u.is_root):
+        if peak_held_bytes(units, kept + [unit], forward_prefetch, master) <= budget:
+            kept.append(unit)
+    return kept
+
+
+class GenerationControl:
+    """Per wrapped model: options, the warnings said once, the units kept gathered now."""
+
+    def __init__(self, wrapper: _Wrapper, options: GenerationOptions) -> None:
+        self._wrapper = weakref.ref(wrapper)
+        self.options = options
+        self.active = False
+        self.kept: List[Unit] = []
+        self._said: set = set()
+        self.last_plan: Tuple[int, int, int] = (0, 0, 0)  # kept units, kept bytes, budget (for tests/bench)
+
+    @property
+    def wrapper(self) -> _Wrapper:
+        wrapper = self._wrapper()
+        assert wrapper is not None
+        return wrapper
+
+    def budget(self) -> int:
+        if self.options.budget_bytes is not None:
+            return self.options.budget_bytes
+        return free_memory_bytes(self.wrapper._root.engine.device) // 2
+
+    def plan(self, master: bool = False) -> List[Unit]:
+        """The units a generation keeps gathered now, saying once when it is not all of them."""
+        units = self.wrapper.units
+        prefetch = bool(self.wrapper._root.forward_prefetch)
+        total = sum(unit_bytes(u, master) for u in units)
+        mode = self.options.mode
+        if mode == "full":
+            return list(units)
+        budget = self.budget()
+        if mode == "per_unit":
+            if total <= budget:
+                self._say_once("per_unit", f"accel_flatshard: generation gathers every unit at every decoding step "
+                               f"(FLATSHARD_GENERATION_MODE=per_unit) although the whole model ({_mib(total)}) fits in "
+                               f"{_mib(budget)}; FLATSHARD_GENERATION_MODE=budget (default) gathers it once per generate()")
+            return []
+        kept = plan_kept_units(units, budget, prefetch, master)
+        self.last_plan = (len(kept), sum(unit_bytes(u, master) for u in kept), budget)
+        if len(kept) < len(units):
+            self._say_once("budget", f"accel_flatshard: generation keeps {len(kept)} of {len(units)} units gathered "
+                           f"({_mib(self.last_plan[1])} of {_mib(total)}, budget {_mib(budget)} from "
+                           f"FLATSHARD_GENERATION_BUDGET_MB); the others are gathered at every decoding step (holding up to "
+                           f"{_mib(peak_held_bytes(units, kept, prefetch, master))}). A budget of {_mib(total)} "
+                           "gathers once per generate()")
+        return kept
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            warnings.warn(message, stacklevel=4)
+
+    def keep(self, units: List[Unit]) -> None:
+        for unit in units:
+            unit.keep_gathered = True
+        self.kept = list(units)
+
+    def release(self) -> None:
+        """Units kept gathered are freed (now if idle, else by the next forward's leftovers)."""
+        kept, self.kept = self.kept, []
+        for unit in kept:
+            unit.keep_gathered = False
+            if unit.state == UnitState.IDLE:
+                unit.reshard()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[bool]:
+        """Keep the planned units gathered for one generation; yields whether every unit is kept."""
+        wrapper = self.wrapper
+        if self.active or any(u.state == UnitState.SUMMONED for u in wrapper.units):
+            yield True  # nested (generate inside TRL's seam or a summon): the outer one decides
+            return
+        self.release()  # (frozen-model units kept from earlier forwards: the plan below decides afresh)
+        self.keep(self.plan())
+        self.active = True
+        try:
+            if len(self.kept) == len(wrapper.units):
+                with _plain_module_on_gathered(wrapper):
+                    yield True
+            else:
+                yield False
+        finally:
+            self.active = False
+            self.release()
+
+
+@contextlib.contextmanager
+def _plain_module_on_gathered(wrapper: _Wrapper) -> Iterator[None]:
+    """Gather-once: every unit gathered now (compute dtype), the parameters pointed at the gathered
+    buffers and the unit hooks stood aside (``SUMMONED``), so decoding steps run the plain module: no
+    per-step hook work either."""
+    wrapper._root.engine.begin_step()  # (CUDA: gathers see the latest optimizer update)
+    for unit in wrapper.units:
+        unit.unshard()
+    grads = []
+    try:
+        for unit in wrapper.units:
+            unit.wait_unshard()
+            unit.state = UnitState.SUMMONED
+            for flat in unit.flat_params:
+                grads.append((flat, [p.grad for p in flat.params]))
+                for p in flat.params:
+                    p.grad = None  # (a full-shaped .data next to a 1-D .grad)
+                flat.point_params_at_full(flat.unsharded.detach())
+        yield
+    finally:
+        for flat, flat_grads in grads:
+            flat.point_params_at_shard()
+            for p, g in zip(flat.params, flat_grads):
+                p.grad = g
+        for unit in wrapper.units:
+            unit.state = UnitState.IDLE
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+_CONTROL_ATTR = "_flatshard_generation"
+
+
+def control_of(model: nn.Module) -> GenerationControl:
+    """The generation control of a wrapped model (or of the unwrapped module inside it)."""
+    control = model.__dict__.get(_CONTROL_ATTR) or getattr(model, _CONTROL_ATTR, None)
+    if control is None:
+        raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
+    return control
+
+
+def set_generation_options(model: nn.Module, **changes: Any) -> GenerationOptions:
+    """Change a wrapped model's generation options (``mode``, ``budget_bytes``, ``keep_frozen_gathered``)."""
+    control = control_of(model)
+    fields = dict(control.options.__dict__)
+    unknown = set(changes) - set(fields)
+    if unknown:
+        raise TypeError(f"unknown generation options {sorted(unknown)}; known: {sorted(fields)}")
+    fields.update(changes)
+    if fields["mode"] not in MODES:
+        raise ValueError(f"mode {fields['mode']!r}: expected one of {', '.join(MODES)}")
+    control.options = GenerationOptions(**fields)
+    control._said.clear()
+    return control.options
+
+
+# ---------------------------------------------------------------------- wiring at wrap time
+def install(wrapper: _Wrapper) -> None:
+    """Give a freshly wrapped model its generation control, gather-once ``generate`` and frozen keeping.
+
+    ``generate`` of the unwrapped module (what ``accelerator.unwrap_model(model).generate`` calls) is
+    replaced on the instance by a method that runs the class's ``generate`` inside a session: robust
+    to any decoding strategy, and nothing else about the module changes (the class is untouched)."""
+    control = GenerationControl(wrapper, generation_options_from_env())
+    wrapper.__dict__[_CONTROL_ATTR] = control
+    module = wrapper.module
+    module.__dict__[_CONTROL_ATTR] = control
+    if callable(getattr(type(module), "generate", None)):
+        module.__dict__["generate"] = types.MethodType(_generate_in_session, module)
+    module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
+    _CONTROLS.add(control)
+
+
+def _generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    control: GenerationControl = self.__dict__[_CONTROL_ATTR]
+    with control.session() as everything_kept:
+        if not everything_kept and control.wrapper.shard_group.world_size > 1 and kwargs.get("synced_gpus") is None:
+            # units gathered per step: every rank must run every step, also after its own sequences ended
+            # (transformers enables this only for torch FSDP / ZeRO-3 modules)
+            kwargs["synced_gpus"] = True
+        return type(self).generate(self, *args, **kwargs)
+
+
+_CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
+
+
+def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
+    """Root pre-forward (after the root unit's own hook).  With ``keep_frozen_gathered``: a no-grad forward
+    (a reference model's log-probs) keeps the planned units gathered for the following ones; a forward
+    with grad first releases them (training frees units after use as always)."""
+    control: GenerationControl = module.__dict__[_CONTROL_ATTR]
+    if not control.options.keep_frozen_gathered or control.active:
+        return
+    if torch.is_grad_enabled():
+        if control.kept:
+            control.release()
+        return
+    if control.kept or any(u.state == UnitState.SUMMONED for u in control.wrapper.units):
+        return
+    control.keep(control.plan())
+
+
+def _release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Any optimizer step may change shards (and TRL's ``sync_ref_model`` writes the reference after it)."""
+    for control in list(_CONTROLS):
+        if control.kept and not control.active:
+            control.release()
+
+
+register_optimizer_step_post_hook(_release_frozen_units)
+
+
+# ---------------------------------------------------------------------- TRL's seam (patch table entry)
+def trl_summon_full_params(original: Callable) -> Callable:
+    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (applied by
+    ``integrations/patches.py``).
+
+    Why: TRL's GRPO, RLOO and distillation trainers wrap generation in
+    ``self._dist.summon_full_params(self.model_wrapped, recurse=False)``, which calls torch's
+    ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1); on our wrapper that
+    finds no torch FSDP instance and does nothing, so every token gathered the whole model.  The
+    replacement routes accel_flatshard models to :func:`trl_generation_context`; others to TRL's."""
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def summon_full_params(self: Any, module: nn.Module, **kwargs: Any) -> Iterator[None]:
+        control = module.__dict__.get(_CONTROL_ATTR) if isinstance(module, nn.Module) else None
+        if control is None:
+            with original(self, module, **kwargs):
+                yield
+            return
+        with trl_generation_context(module, **kwargs):
+            yield
+
+    return summon_full_params
+
+
+@contextlib.contextmanager
+def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.
+
+    When the whole model in master dtype fits the generation budget (or mode ``full``): a real summon
+    without writeback (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), so
+    ``generate`` inside gathers nothing.  Otherwise the generation session of the budget/per-unit mode
+    (``recurse`` is torch's nesting flag; our units are not nested instances, and generation needs them
+    all)."""
+    control: GenerationControl = wrapper.__dict__[_CONTROL_ATTR]
+    kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
+    if control.options.mode == "full" or (kept and len(kept) == len(control.wrapper.units)):
+        with wrapper.summon_full_params(writeback=False):
+            yield
+        return
+    with control.session():
+        yield
