@@ -472,7 +472,7 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) ->
     if old.has_pending():
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
-    new = Engine(old.group, old.device, old.reduce_dtype, old.max_inflight, old.profiler,
+    new = Engine(old.group, old.device, old.reduce_dtype, old.max_inflight,
                  old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
     if old.offload is not None:
         # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
