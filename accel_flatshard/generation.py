@@ -87,7 +87,7 @@ class _Wrapper(Protocol):
 def check_summon_kwargs(rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False) -> None:
     """torch FSDP's other ``summon_full_params`` arguments are accepted at their defaults only."""
     if rank0_only or offload_to_cpu or with_grads:
-        raise NotImplementedError(
+        raise ValueError(
             "accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
             f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank gets the "
             "full parameters on the model's device"

@@ -109,7 +109,7 @@ def test_summon_accepts_torch_signature_and_refuses_unsupported(world_of_one):
     with wrapped.summon_full_params(writeback=False, recurse=False):
         out = wrapped.module(ids).logits  # a forward inside the summon runs the plain model
     assert torch.equal(out, reference(ids).logits)
-    with pytest.raises(NotImplementedError, match="rank0_only"):
+    with pytest.raises(ValueError, match="rank0_only"):
         with wrapped.summon_full_params(rank0_only=True):
             pass
 

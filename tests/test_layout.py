@@ -1,5 +1,6 @@
 """The package's shape: no import circles (also through lazy in-function imports), state_dict/ stays below
-checkpoint/ and integrations/, and torch.distributed collectives are called only in comm.py."""
+checkpoint/ and integrations/, torch.distributed collectives are called only in comm.py,
+the environment is read only in options.py and integrations/config.py, no module is over 600 lines."""
 from __future__ import annotations
 
 import ast
@@ -111,3 +112,20 @@ def test_collectives_only_in_comm():
     offenders = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in PACKAGE.rglob("*.py") if p.name != "comm.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, offenders
+
+
+def test_no_module_over_600_lines_and_each_opens_with_what_it_owns():
+    too_long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > 600}
+    assert not too_long, too_long
+    no_docstring = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                    if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert not no_docstring, no_docstring
+
+
+def test_environment_read_only_in_options_and_config():
+    # Every FLATSHARD_* variable goes through options.py; config.py reads accelerate's own (FSDP_*, WORLD_SIZE).
+    pattern = re.compile(r"\bos\.environ\b|\bos\.getenv\b")
+    readers = sorted({str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                      if pattern.search(p.read_text())})
+    assert readers == ["integrations/config.py", "options.py"], readers

@@ -110,10 +110,10 @@ def test_fsdp_launch_without_cuda_uses_accelerates_cpu_state(clean_env):
     clean_env.setattr(torch.cuda, "is_available", lambda: False)
     clean_env.setenv("ACCELERATE_USE_FSDP", "true")
     clean_env.setenv("WORLD_SIZE", "1")
-    acc_mod._use_cpu_state_for_fsdp_launch()
+    cfg.use_cpu_state_for_fsdp_launch()
     assert "ACCELERATE_USE_CPU" not in os.environ  # a single process: nothing to change
     clean_env.setenv("WORLD_SIZE", "2")
-    acc_mod._use_cpu_state_for_fsdp_launch()
+    cfg.use_cpu_state_for_fsdp_launch()
     assert os.environ["ACCELERATE_USE_CPU"] == "true"
 
 

@@ -32,7 +32,6 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from types import MethodType
 from typing import Any, Iterable, Optional, Union
@@ -53,7 +52,8 @@ from . import checkpointing, patches
 from .multi_model import clip_grad_norm_over_models
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
-from .config import fsdp_version_requested, normalize_plugin_to_fsdp1, options_from_plugin
+from .config import fsdp_version_requested, launched_world_size, normalize_plugin_to_fsdp1, options_from_plugin
+from .config import use_cpu_state_for_fsdp_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
@@ -125,7 +125,7 @@ class Accelerator(_BaseAccelerator):
             _refuse_unsharded_launch(state)
             warnings.warn(
                 "accel_flatshard: an FSDP config was given but this is a single process (WORLD_SIZE "
-                f"{_launched_world_size()}); nothing to shard, training as one process. To shard, launch "
+                f"{launched_world_size()}); nothing to shard, training as one process. To shard, launch "
                 "several: `accelerate launch --config_file ... -m accel_flatshard.run script.py`.",
                 stacklevel=3,
             )
@@ -314,14 +314,6 @@ class Accelerator(_BaseAccelerator):
 
 
 # ---------------------------------------------------------------------- helpers
-def _launched_world_size() -> int:
-    """How many processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        return 1
-
-
 def _reset_state_set_up_without_backend() -> None:
     """Undo a shared accelerate state that was set up without a backend although W > 1 processes run.
 
@@ -331,7 +323,7 @@ def _reset_state_set_up_without_backend() -> None:
     state is a shared dict (``TrainingArguments.distributed_state`` sees the same one), so resetting it
     here lets accelerate set it up again, on the CPU path, with gloo over all launched processes.
     """
-    if _launched_world_size() <= 1:
+    if launched_world_size() <= 1:
         return
     # accelerate without a backend has already called init_process_group(backend=None) (gloo on CPU):
     # the new state takes that process group over, as PartialState does for any existing one.
@@ -339,7 +331,7 @@ def _reset_state_set_up_without_backend() -> None:
     if shared and shared.get("distributed_type") == DistributedType.NO:
         warnings.warn(
             f"accel_flatshard: accelerate's state was set up before this Accelerator without a backend "
-            f"(distributed_type NO although {_launched_world_size()} processes run); setting it up again on "
+            f"(distributed_type NO although {launched_world_size()} processes run); setting it up again on "
             "the CPU path with gloo, sharded. Values read from it before (e.g. TrainingArguments.world_size, "
             "hence batch and step counts) were for 1 process: run the script with `-m accel_flatshard.run` "
             "or call accel_flatshard.register() before creating TrainingArguments / PartialState",
@@ -350,7 +342,7 @@ def _reset_state_set_up_without_backend() -> None:
 
 def _refuse_unsharded_launch(state: Any) -> None:
     """Several processes were launched under an FSDP config but none is sharding: fail, never train unsharded."""
-    world = _launched_world_size()
+    world = launched_world_size()
     if world > 1 and not (state.distributed_type == DistributedType.FSDP and state.num_processes == world):
         raise RuntimeError(
             f"accel_flatshard: {world} processes were launched with an FSDP config, but accelerate's state is "
@@ -431,20 +423,5 @@ def register() -> None:
     above it), then applies every patch of :data:`.patches.PATCHES` and logs what it patched.
     """
     check_versions()
-    _use_cpu_state_for_fsdp_launch()
+    use_cpu_state_for_fsdp_launch()
     patches.install(register=True)
-
-
-def _use_cpu_state_for_fsdp_launch() -> None:
-    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default.
-
-    Code that sets up accelerate's state before any Accelerator exists (``TrainingArguments``, hence
-    every Trainer / TRL script) would otherwise get ``distributed_type NO`` and ``world_size`` 1 (no
-    backend without CUDA), and read those values before the Trainer builds its Accelerator.
-    ``ACCELERATE_USE_CPU`` is accelerate's own switch for this (gloo over all processes); this
-    Accelerator takes the same CPU path and then shards.
-    """
-    if not options.env_flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
-        return
-    if _launched_world_size() > 1:
-        os.environ["ACCELERATE_USE_CPU"] = "true"

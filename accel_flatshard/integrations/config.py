@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
 from .. import options
@@ -363,3 +364,27 @@ def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any],
         self.sync_module_states = sync or efficient
 
     return __post_init__
+
+
+# ---------------------------------------------------------------------- the launcher's environment
+def launched_world_size() -> int:
+    """How many processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def use_cpu_state_for_fsdp_launch() -> None:
+    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default.
+
+    Code that sets up accelerate's state before any Accelerator exists (``TrainingArguments``, hence
+    every Trainer / TRL script) would otherwise get ``distributed_type NO`` and ``world_size`` 1 (no
+    backend without CUDA), and read those values before the Trainer builds its Accelerator.
+    ``ACCELERATE_USE_CPU`` is accelerate's own switch for this (gloo over all processes); this
+    Accelerator takes the same CPU path and then shards.
+    """
+    if not options.env_flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
+        return
+    if launched_world_size() > 1:
+        os.environ["ACCELERATE_USE_CPU"] = "true"

@@ -92,8 +92,9 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.generation:trl_summon_full_params",
           "TRL's GRPO/RLOO wrap generate() in it; it finds no torch FSDP module in an accel_flatshard model and "
           "does nothing, so every decoding step would gather the whole model unit by unit (slow, not wrong)",
-          "trl 1.16 (trl 0.24 has no trl.distributed: nothing to patch)", wraps_original=True, essential=False,
-          optional_owner=True, introduced_in="0.25"),
+          "trl 1.16 (trl.distributed appeared in 1.6; before it GRPO calls torch's FSDP.summon_full_params, a "
+          "no-op on our wrapper, and generate() still gathers once through the generate hook)",
+          wraps_original=True, essential=False, optional_owner=True, introduced_in="1.6"),
 )
 
 # (module name, attribute path) -> original object, for every binding install() changed
@@ -146,7 +147,7 @@ def _set(module_name: str, module: Any, path: str, original: Any, replacement: A
 
 
 def _predates(patch: Patch) -> bool:
-    """The installed library is older than the target (e.g. TRL 0.24 has no ``trl.distributed``)."""
+    """The installed library is older than the target (e.g. TRL before 1.6 has no ``trl.distributed``)."""
     if not patch.introduced_in:
         return False
     from packaging.version import Version

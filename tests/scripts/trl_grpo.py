@@ -47,7 +47,7 @@ def main():
         "model_info": recorder.model_info, "ref_info": numel_info(trainer.ref_model),
         "ref_class": type(trainer.ref_model).__name__,
         "param_dtypes": sorted({str(q.dtype) for q in trainer.model.parameters()}),
-        "seam_patched": getattr(type(trainer._dist).summon_full_params, "_accel_flatshard_patched", False),
+        "seam_patched": getattr(type(trainer._dist).summon_full_params, "_accel_flatshard_patch", None) == "trl_summon_full_params",
     }, trainer.accelerator)
     if dist.is_initialized():
         dist.barrier()
