@@ -379,7 +379,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="llama-40M,gpt2-5M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
-    p.add_argument("--ours", default="ours,ours+fpre+bpre", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+    p.add_argument("--ours", default="ours,ours+noprefetch", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
                    f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
     p.add_argument("--steps", type=int, default=8)

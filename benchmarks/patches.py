@@ -181,6 +181,7 @@ def no_outside_reads(wrapped) -> None:
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
     "fpre": ("kw", lambda m: {"forward_prefetch": True}),
+    "noprefetch": ("kw", lambda m: {"forward_prefetch": False, "backward_prefetch": None}),  # the old defaults
     "bpre": ("kw", lambda m: _bpre()),
     "bpost": ("kw", lambda m: _bpost()),
     "limit1": ("kw", lambda m: {"limit_all_gathers": 1}),
@@ -200,7 +201,7 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
 # ``ours+proposed``: changes measured here and not (yet) in the engine.  agp2p, boundrs, adopt, keeplast
 # and wrapemb were adopted by the engine itself (comm.py, engine.py, flat_param.py, unit.py, wrap.py) and
 # are kept as options only to compare against their patch form.
-PROPOSED = ["rsp2p", "fpre", "bpre"]
+PROPOSED = ["rsp2p"]  # fpre + bpre became the defaults (README Speed)
 
 
 def parse_variant(name: str, model=None) -> Tuple[dict, List[Callable]]:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import psutil
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,11 +75,40 @@ def launch(
     if ddp:
         full_env["ACCELERATE_USE_CPU"] = "true"
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = _run_or_dump_stacks(cmd, full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _run_or_dump_stacks(cmd: List[str], env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run``, except that on timeout the ranks (the launcher's leaf processes) first get SIGABRT:
+    with ``PYTHONFAULTHANDLER`` each prints the Python stack of every thread to stderr, so the error shows
+    where each rank hung, not only that the launch did not finish.  Then every process of the launch is killed."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = psutil.Process(proc.pid).children(recursive=True)
+        for child in family:
+            if not child.children():
+                _signal(child, signal.SIGABRT)
+        psutil.wait_procs(family, timeout=5)
+        for process in [*family, psutil.Process(proc.pid)]:
+            _signal(process, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"launch timed out after {timeout:.0f} s: {' '.join(cmd)}\n--- stdout\n{stdout[-6000:]}"
+                             f"\n--- stderr (ends with every rank's stacks at the timeout)\n{stderr[-16000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _signal(process: "psutil.Process", sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def read_json(path: Path) -> Dict[str, Any]:

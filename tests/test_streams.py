@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
 from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
@@ -71,14 +71,17 @@ def test_the_simulator_sees_unbounded_full_gradients(monkeypatch):
     assert sim.peak["full_grad"] == len(model.flat_params)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("limit", [1, 2])
-def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limit):
+def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limit, prefetch):
     """Defect 3: freed buffers stay reserved until the GPU is past their readers; the host must wait on
     free events instead of running through the whole forward."""
-    model, sim = _simulated(limit_all_gathers=limit)
+    model, sim = _simulated(limit_all_gathers=limit, forward_prefetch=prefetch,
+                            backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None)
     _train(model, steps=1, sim=sim)
-    # the root stays gathered for the whole step, plus at most `limit` units in flight or awaiting free
-    assert sim.peak["unsharded"] <= limit + 1
+    # the root stays gathered for the whole step, plus at most `limit` units in flight or awaiting free;
+    # a prefetch gathers the next unit while the current one (the +1) still computes (README Offload's bound)
+    assert sim.peak["unsharded"] <= limit + 1 + int(prefetch)
     assert sim.host_syncs > 0
     assert sim.violations == []
 

@@ -75,8 +75,8 @@ class FlatShardOptions:
 
     reshard_after_forward: bool = True
     fsdp_group_size: Optional[int] = None
-    backward_prefetch: Optional[BackwardPrefetch] = None
-    forward_prefetch: bool = False
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE  # the wrapper's defaults; a
+    forward_prefetch: bool = True  # plugin's values (the yaml's fsdp_*_prefetch keys) replace them
     wrap: str = "none"  # "transformer" | "size" | "none" | "custom"
     layer_cls_names: Optional[List[str]] = None  # transformer: None -> the model's _no_split_modules
     min_num_params: int = 0
@@ -173,6 +173,7 @@ def options_from_plugin(
         # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses
         # forward_prefetch); it always prefetches the next unit in backward: the same here.
         prefetch = TorchPrefetch.BACKWARD_PRE
+    opts.backward_prefetch = None  # accelerate's None is the yaml's NO_PREFETCH (or no key): no prefetch
     if prefetch is not None:
         name = prefetch.name if isinstance(prefetch, (TorchPrefetch, BackwardPrefetch)) else str(prefetch).upper()
         opts.backward_prefetch = None if name == "NO_PREFETCH" else BackwardPrefetch[name]
