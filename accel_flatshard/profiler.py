@@ -220,12 +220,11 @@ class _EnvProfiler:
         if self.rank == 0:
             print(table, flush=True)
         if self.trace_dir:
-            from .checkpoint.atomic import write_atomic  # the project's one writer: a reader never sees half a file
+            from .checkpoint.atomic import write_atomic, write_text_atomic  # a reader never sees half a file
 
             os.makedirs(self.trace_dir, exist_ok=True)
             write_atomic(os.path.join(self.trace_dir, f"flatshard_trace_rank{self.rank}.json"), prof.export_chrome_trace)
-            write_atomic(os.path.join(self.trace_dir, f"flatshard_phases_rank{self.rank}.md"),
-                         lambda tmp: _write_text(tmp, table + "\n"))
+            write_text_atomic(os.path.join(self.trace_dir, f"flatshard_phases_rank{self.rank}.md"), table + "\n")
 
     def stop(self) -> None:
         """Write the unfinished cycle and stop (at interpreter exit, or by tests)."""
@@ -256,8 +255,3 @@ def stop_env_profiler() -> None:
     if _ENV_PROFILER is not None:
         _ENV_PROFILER.stop()
         _ENV_PROFILER = None
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)

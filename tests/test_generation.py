@@ -218,7 +218,6 @@ def test_slower_modes_say_so_once_with_the_option_to_set(world_of_one):
 def test_under_bf16_mixed_precision_generation_leaves_training_bitwise_unchanged(tmp_path):
     """bf16 compute (fp32 masters): every generation mode and the summon with ``to(torch.bfloat16)``, then two
     training steps; the losses equal bitwise those of the same launch that never generated."""
-
     yaml = fsdp_config(tmp_path, "bf16.yaml", mixed_precision="bf16")
     script = SCRIPTS / "gen_parity.py"
     launch(yaml, script, ["--output_json", str(tmp_path / "gen.json")], via_run=True)

@@ -11,7 +11,7 @@
 Example::
 
     write_atomic("out/model.safetensors", lambda tmp: save_file(tensors, tmp))
-    write_atomic("out/index.json", lambda tmp: open(tmp, "w").write(text))   # closed by the writer
+    write_text_atomic("out/phases.md", table)
 """
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ import shutil
 import uuid
 from typing import Any, Callable, Dict
 
-__all__ = ["write_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir", "fsync_dir", "remove_dir_quietly"]
+__all__ = [
+    "write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir", "fsync_dir",
+    "remove_dir_quietly",
+]
 
 
 def _tmp_name(path: str) -> str:
@@ -60,12 +63,16 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     fsync_dir(directory)
 
 
-def write_json_atomic(path: str, obj: Dict[str, Any], indent: int = 1) -> None:
+def write_text_atomic(path: str, text: str) -> None:
     def dump(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent)
+            f.write(text)
 
     write_atomic(path, dump)
+
+
+def write_json_atomic(path: str, obj: Dict[str, Any], indent: int = 1) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=indent))
 
 
 def new_tmp_dir(final: str) -> str:
