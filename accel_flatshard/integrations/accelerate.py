@@ -53,7 +53,7 @@ from .multi_model import clip_grad_norm_over_models
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
 from .config import fsdp_version_requested, launched_world_size, normalize_plugin_to_fsdp1, options_from_plugin
-from .config import use_cpu_state_for_fsdp_launch
+from .config import requested_parallelism_config, use_cpu_state_for_fsdp_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
@@ -93,6 +93,7 @@ class Accelerator(_BaseAccelerator):
             super().__init__(**params)
             return
         check_fsdp_version(fsdp_version_requested(plugin))
+        self._take_parallelism_config(params)
         # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
         # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
         without_device = bool(params.get("cpu")) or options.env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
@@ -108,7 +109,8 @@ class Accelerator(_BaseAccelerator):
         if self.distributed_type != DistributedType.FSDP:
             _refuse_unsharded_launch(self.state)
             return  # a single process without a launcher: nothing to shard
-        self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision)
+        self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision,
+                                                      parallelism=self.parallelism_config)
         normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self._flatshard_options)
         self._setup_grad_scaler()
         # the library functions that must know our wrapper (patches.PATCHES); modules imported since
@@ -116,6 +118,13 @@ class Accelerator(_BaseAccelerator):
         patches.install()
 
     # ------------------------------------------------------------------ setup
+    def _take_parallelism_config(self, params: dict) -> None:
+        """accelerate's ``parallelism_config``: refused if it asks for tensor/context parallelism; else accelerate
+        builds its mesh and checks the sizes (patched to accept this class), and dp_shard sets the shard groups."""
+        params["parallelism_config"] = self._flatshard_parallelism = requested_parallelism_config(params)
+        if self._flatshard_parallelism is not None:
+            patches.install()  # before accelerate checks the config inside super().__init__
+
     def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
         """Turn accelerate's MULTI_CPU state into FSDP (what AcceleratorState does for GPU types)."""
         state = self.state

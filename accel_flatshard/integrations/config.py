@@ -132,7 +132,7 @@ def _size_policy_without_containers(min_num_params: int) -> Policy:
 
 
 def options_from_plugin(
-    plugin: Any, mixed_precision: str = "no", environ: Optional[Mapping[str, str]] = None
+    plugin: Any, mixed_precision: str = "no", environ: Optional[Mapping[str, str]] = None, parallelism: Any = None
 ) -> FlatShardOptions:
     """Map a ``FullyShardedDataParallelPlugin`` (fsdp_version 1 or 2) and ``FLATSHARD_*`` variables to options.
 
@@ -140,7 +140,8 @@ def options_from_plugin(
     policy, state dict type (default SHARDED_STATE_DICT), mixed precision, activation checkpointing and
     ``fsdp_cpu_ram_efficient_loading`` keys as FSDP1; backward prefetch is always on (FSDP2's implicit
     prefetch).  ``fsdp_offload_params`` (both forms) keeps shards in host memory (``offload.py``).  Options
-    that cannot be honoured raise naming the key (``fsdp_ignored_modules``, ...).
+    that cannot be honoured raise naming the key (``fsdp_ignored_modules``, ...).  accelerate's
+    ``parallelism`` config, when given, sets the shard groups (:func:`_layout_group_size`).
     """
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import ShardingStrategy
@@ -156,7 +157,11 @@ def options_from_plugin(
     group_size = options.get("FLATSHARD_GROUP_SIZE", environ)
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     opts.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    if hybrid:
+    if parallelism is not None:
+        opts.fsdp_group_size = _layout_group_size(parallelism, strategy, group_size)
+        opts.reshard_after_forward &= opts.fsdp_group_size > 1
+        group_size = None  # checked against the layout
+    elif hybrid:
         # torch FSDP's HYBRID_SHARD shards inside a node and replicates across nodes: same default here
         opts.fsdp_group_size = group_size or _env_int(environ, "LOCAL_WORLD_SIZE")
     elif strategy == ShardingStrategy.NO_SHARD:
@@ -219,6 +224,72 @@ def options_from_plugin(
     if limit is not None:
         opts.limit_all_gathers = limit
     return opts
+
+
+def requested_parallelism_config(params: Mapping[str, Any]) -> Any:
+    """The ``ParallelismConfig`` accelerate would build from these ``Accelerator`` arguments (the argument,
+    the deprecated ``torch_tp_plugin``, or the launcher's ``PARALLELISM_CONFIG_*`` variables from a yaml block
+    or the flags); tensor / context / sequence parallelism raise here, before accelerate builds a mesh."""
+    from accelerate import ParallelismConfig
+
+    config = params.get("parallelism_config")
+    if config is None and params.get("torch_tp_plugin") is not None:
+        config = ParallelismConfig(tp_size=params["torch_tp_plugin"].tp_size)
+    elif config is None and options.env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        config = ParallelismConfig()
+    for dim, kind in (("tp", "tensor"), ("cp", "context"), ("sp", "sequence")):
+        size = getattr(config, f"{dim}_size", None) or 1  # sp_size: accelerate >= 1.11
+        if size > 1:
+            raise ValueError(
+                f"{kind} parallelism (parallelism_config_{dim}_size={size}) is not supported by accel_flatshard; "
+                "remove it, or use dp_replicate/dp_shard only (README: composing with tensor parallelism on "
+                "DTensor meshes is a later step)")
+    return config
+
+
+def _layout_group_size(parallelism: Any, strategy: Any, group_size: Optional[int]) -> int:
+    """dp_replicate x dp_shard as shard groups of ``dp_shard_size`` consecutive ranks: accelerate's mesh puts
+    dp_shard innermost, so its groups are HYBRID_SHARD's with ``FLATSHARD_GROUP_SIZE=dp_shard_size``."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    shard = parallelism.dp_shard_size
+    if group_size is not None and group_size != shard:
+        raise ValueError(f"FLATSHARD_GROUP_SIZE={group_size} disagrees with parallelism_config_dp_shard_size={shard}; "
+                         "unset FLATSHARD_GROUP_SIZE (the parallelism_config sets the shard groups)")
+    if strategy == ShardingStrategy.NO_SHARD and shard > 1:
+        raise ValueError(f"fsdp_sharding_strategy NO_SHARD contradicts parallelism_config_dp_shard_size={shard}; "
+                         "use FULL_SHARD (or dp_shard_size 1)")
+    if shard == 1:
+        warnings.warn(f"accel_flatshard: parallelism_config dp_shard_size 1 x dp_replicate_size "
+                      f"{parallelism.dp_replicate_size}: every rank holds the whole model and gradients are "
+                      "all-reduced (DDP semantics); set parallelism_config_dp_shard_size > 1 to shard", stacklevel=4)
+    return shard
+
+
+class _AsDataParallel:
+    """An accel_flatshard Accelerator as accelerate's check should see it: data parallel, not torch FSDP2."""
+
+    multi_device, is_fsdp2 = True, False
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+
+def validating_flatshard_layout(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``ParallelismConfig._validate_accelerator`` that runs accelerate's checks (the sizes multiply to the
+    number of processes, ...) for accel_flatshard's Accelerator as for a multi-device state; accelerate
+    would refuse it (MULTI_CPU on a CPU host, plugin presented as FSDP1).  Other calls are unchanged."""
+
+    @functools.wraps(original)
+    def _validate_accelerator(self: Any, accelerator: Any) -> None:
+        if getattr(accelerator, "_flatshard_parallelism", None) is self:
+            accelerator = _AsDataParallel(accelerator)
+        return original(self, accelerator)
+
+    return _validate_accelerator
 
 
 def _sharding_strategy(plugin: Any) -> Any:

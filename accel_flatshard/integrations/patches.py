@@ -88,6 +88,12 @@ PATCHES: Tuple[Patch, ...] = (
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
           "(sync_module_states prepares a GPU param_init_fn accel_flatshard never uses)",
           "accelerate 1.10.1, 1.15", wraps_original=True, essential=False, register_only=True),
+    Patch("parallelism_config_check", "accelerate.parallelism_config", "ParallelismConfig._validate_accelerator",
+          "accel_flatshard.integrations.config:validating_flatshard_layout",
+          "accelerate refuses a parallelism_config unless torch FSDP2 or a multi-device type runs; accel_flatshard "
+          "(MULTI_CPU on a CPU host, plugin presented as FSDP1) implements dp_replicate x dp_shard itself: its "
+          "Accelerator gets accelerate's other checks as a multi-device state", "accelerate 1.10.1, 1.15",
+          wraps_original=True, essential=False),
     Patch("trl_summon_full_params", "trl.distributed", "DistributedBackend.summon_full_params",
           "accel_flatshard.generation:trl_summon_full_params",
           "TRL's GRPO/RLOO wrap generate() in it; it finds no torch FSDP module in an accel_flatshard model and "

@@ -94,6 +94,13 @@ def optimizer_for(model, lr):
     return torch.optim.AdamW(groups, lr=lr)
 
 
+def layout(accelerator):
+    """What accelerate reports of the data-parallel layout (parallelism_config sizes, device-mesh dimensions)."""
+    pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
+    return {"parallelism": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
+            "mesh_dims": None if mesh is None else list(mesh.mesh_dim_names)}
+
+
 def main(argv=None, accelerator_cls=None):
     args = parse_args(argv)
     project_config = None
@@ -184,7 +191,7 @@ def main(argv=None, accelerator_cls=None):
     result = {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
               "accelerator_class": f"{type(accelerator).__module__}.{type(accelerator).__name__}",
               "model_class": type(accelerator.unwrap_model(model)).__name__, "meta_params_per_rank": meta_params,
-              "links": links}
+              "links": links, **layout(accelerator)}
     if args.resume_from:
         result["resumed"] = []
         for directory in args.resume_from:

@@ -6,7 +6,8 @@ The tests run it unmodified under accelerate's DDP (reference) and through
 
 * ``losses``: the training loss of every optimizer step (``logging_steps=1``; the Trainer averages it
   over processes);
-* ``world_size`` / ``parallel_mode``: what the Trainer's ``TrainingArguments`` see;
+* ``world_size`` / ``parallel_mode``: what the Trainer's ``TrainingArguments`` see; ``parallelism``: the
+  accelerator's ``parallelism_config`` sizes; ``global_batch``: the Trainer's total train batch size;
 * ``local_trainable_numel`` (one entry per rank): elements of the trainable parameters this rank holds
   (``numel`` of ``model.parameters()`` after training: a rank's shard when sharded, everything otherwise)
   and ``total_trainable_numel``: the model's size before training;
@@ -112,11 +113,15 @@ def main():
                       eval_dataset=eval_ds if evaluate else None, callbacks=[StopAfter(args.stop_after)])
     trainer.train(resume_from_checkpoint=args.resume_from)
 
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
     local_numel = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = {
         "world_size": training_args.world_size,
         "parallel_mode": str(training_args.parallel_mode),
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "parallelism": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
+        "global_batch": trainer.get_total_train_batch_size(training_args)
+        if hasattr(trainer, "get_total_train_batch_size") else global_batch,
         "is_fsdp2": bool(getattr(trainer.accelerator, "is_fsdp2", False)),
         "accelerator_class": f"{type(trainer.accelerator).__module__}.{type(trainer.accelerator).__name__}",
         "total_trainable_numel": total_numel,
