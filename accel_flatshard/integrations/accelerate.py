@@ -45,7 +45,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options
+from .. import options, plan
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
 from ..wrap import checkpoint_units
@@ -188,11 +188,15 @@ class Accelerator(_BaseAccelerator):
             )
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
+        # CUDA only (plan.available_bytes): the memory check before the first step needs the model's structure
+        skeleton = plan.meta_copy(model) if not evaluation_mode and plan.available_bytes(self.device) is not None else None
         if self.native_amp:
             _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
         if opts.activation_checkpointing and not evaluation_mode:
             _apply_activation_checkpointing(wrapped)
+        if skeleton is not None:
+            plan.warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp)
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
         return wrapped
