@@ -219,9 +219,13 @@ class Planner:
             handles = [h for i, m in enumerate(units)
                        for h in _mark_unit(trace, i, m, [p for ps, _, _ in owned[id(m)] for p in ps if p.requires_grad])]
             with trace:
-                args, kwargs = _as_call(self.make_batch(micro_batch))
+                batch = _as_call(self.make_batch(micro_batch))
+                mp = self.options.mixed_precision
+                args, kwargs = map_tensors(lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, batch) \
+                    if self.param_dtype and mp.cast_forward_inputs else batch  # as the root's pre-forward does
                 with torch.autocast("cpu", self.param_dtype or torch.bfloat16, enabled=self.autocast):
                     out = model(*args, **kwargs)
+                del args, kwargs  # (the cast copies live as long as the forward keeps them)
                 if self.autocast:  # and converts the outputs to fp32 (convert_outputs_to_fp32)
                     from accelerate.utils import convert_to_fp32
                     out = convert_to_fp32(out)

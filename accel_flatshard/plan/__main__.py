@@ -76,7 +76,8 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise ValueError(f"--device_memory {text!r}: expected a size such as 80GiB, 24GB or 512MiB")
     number, prefix, binary, b = match.groups()
-    return int(float(number) * (1000 if prefix and b and not binary else 1024) ** ("KMGT".find(prefix.upper()) + 1))
+    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * (1000 if b and not binary else 1024) ** power)
 
 
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
