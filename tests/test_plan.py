@@ -42,6 +42,7 @@ def _check(rows, measured, what):
 
 
 ONE_RANK = [row("llama", 1, "FULL_SHARD"), row("gpt2", 1, "AC + bf16", BF16, checkpointing=True),
+            row("llama", 1, "bf16 (fp32 reduce)", BF16),
             row("toy", 1, "FULL_SHARD"), row("llama", 1, "micro-batch 2, no_sync", micro_batch=2, accumulation="no_sync")]
 TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
              row("gpt2", 2, "prefetch off", forward_prefetch=False, backward_prefetch=None),

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .._compat import FakeTensorMode, TorchDispatchMode, fake_mode_with_scalars, inside_backward_pass, map_tensors
 from .._compat import tensors_in
-from ..flat_param import FlatParamLayout
+from ..flat_param import FlatParameter, FlatParamLayout
 from ..fully_sharded import _assign_owners
 from ..integrations.config import FlatShardOptions
 from ..wrap import checkpoint_units, select_units
@@ -98,7 +98,7 @@ class _Flat:
 
 class _Trace(TorchDispatchMode):
     """Bytes of the storages alive after every op (``samples``; storages of ``known`` tensors excluded) and
-    marks between ops (``events``: ``(kind, unit, sample index, live bytes[, live bytes after])``)."""
+    marks between ops (``events``: ``(kind, unit, sample index, live bytes[, flat parameter index])``)."""
 
     def __init__(self, known: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
@@ -121,25 +121,30 @@ class _Trace(TorchDispatchMode):
         self.known.discard(key)
         self.live -= nbytes
 
-    def mark(self, kind: str, unit: int, *after: int) -> None:
-        self.events.append((kind, unit, len(self.samples), self.live, *after))
+    def mark(self, kind: str, unit: int, *flat: int) -> None:
+        self.events.append((kind, unit, len(self.samples), self.live, *flat))
+
+    def pieces(self) -> List[List[int]]:
+        """The samples between each event and the next."""
+        bounds = [e[2] for e in self.events] + [len(self.samples)]
+        return [self.samples[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def segments(self) -> List[int]:
-        """The largest sample between each event and the next."""
-        bounds = [e[2] for e in self.events] + [len(self.samples)]
-        return [max(self.samples[a:b], default=e[3]) for e, a, b in zip(self.events, bounds, bounds[1:])]
+        """The largest sample between each event and the next (the event's own bytes if none)."""
+        return [max(piece, default=e[3]) for e, piece in zip(self.events, self.pieces())]
 
 
 def _interpolate(a: _Trace, b: _Trace, t: float) -> Optional[_Trace]:
-    """The trace at ``a + t (b - a)`` (every storage is affine in the micro-batch), one sample per segment:
-    its maxima interpolated, an upper bound (a maximum of affine functions is convex) that is exact where a
-    segment's largest op is the same.  None when the units' events differ."""
+    """The trace at ``a + t (b - a)``: every storage is affine in the micro-batch, so op by op where both have
+    the same ops between two events; elsewhere the interpolated maximum (an upper bound: a maximum of
+    affine functions is convex).  None when the units' events differ."""
     if [e[:2] for e in a.events] != [e[:2] for e in b.events]:
         return None
-    out = _Trace()
-    out.samples = [round(x + t * (y - x)) for x, y in zip(a.segments(), b.segments())]
-    out.events = [e[:2] + (j,) + tuple(round(x + t * (y - x)) for x, y in zip(e[3:], f[3:]))
-                  for j, (e, f) in enumerate(zip(a.events, b.events))]
+    out, lerp = _Trace(), lambda x, y: round(x + t * (y - x))
+    for e, f, pa, pb in zip(a.events, b.events, a.pieces(), b.pieces()):
+        out.events.append(e[:2] + (len(out.samples), lerp(e[3], f[3])) + e[4:])
+        out.samples += [lerp(x, y) for x, y in zip(pa, pb)] if len(pa) == len(pb) else \
+            [lerp(max(pa, default=e[3]), max(pb, default=f[3]))]
     return out
 
 
@@ -213,11 +218,14 @@ class Planner:
         with FakeTensorMode(allow_non_fake_inputs=True):
             _to_fake(model, self.param_dtype, self.buffer_dtype)
             owned, _ = _assign_owners(model, units)
+            flats = {id(m): [FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units}
             if checkpointing:
                 checkpoint_units(model, units)
-            trace = _Trace([*model.parameters(), *model.buffers()])
-            handles = [h for i, m in enumerate(units)
-                       for h in _mark_unit(trace, i, m, [p for ps, _, _ in owned[id(m)] for p in ps if p.requires_grad])]
+            known = [*model.parameters(), *model.buffers(), *(f.unsharded for fs in flats.values() for f in fs)]
+            for f in known[-sum(map(len, flats.values())):]:
+                f.untyped_storage().resize_(f.numel() * f.element_size())  # gathered for good (not counted)
+            trace = _Trace(known)
+            handles = [h for i, m in enumerate(units) for h in _mark_unit(trace, i, m, flats[id(m)])]
             with trace:
                 batch = _as_call(self.make_batch(micro_batch))
                 mp = self.options.mixed_precision
@@ -283,36 +291,58 @@ def _to_fake(model: nn.Module, param_dtype: Optional[torch.dtype], buffer_dtype:
                     group[name] = memo[id(t)]
 
 
-def _mark_unit(trace: _Trace, index: int, module: nn.Module, trainable: List[nn.Parameter]) -> List[Any]:
-    """Hooks marking a unit's forward (or recomputation), the start of its backward (the first gradient at
-    an output, as the engine's pre-backward hook) and its complete gradient (``trainable``: the parameters
-    it owns; a frozen unit: its inputs' gradients, as the engine's reshard-only hook)."""
-    arrived: List[nn.Parameter] = []
+def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> List[Any]:
+    """The engine's view handling for one unit (``unit.py``: views of the flat buffer installed for its forward
+    and again, with grad, from its backward's start; one flat gradient per flat parameter, so autograd runs
+    the same nodes in the same order), with marks: forward (or recomputation), the start of backward (the
+    first gradient at an output), each flat gradient (dropped there: the replay holds it) and the end of
+    the unit's backward (its last gradient; a frozen unit: its inputs' gradients, the reshard-only hook)."""
+    trainable = [f for f in flats if f.requires_grad]
+    arrived: List[FlatParameter] = []
+
+    def install() -> None:
+        for f in flats:
+            f.install_views(f.unsharded_views())
+
+    def uninstall(*_: Any) -> None:
+        for f in flats:
+            f.uninstall_views()
+
+    def done(*_: Any) -> None:
+        uninstall()
+        trace.mark("done", index)
 
     def pre(mod: nn.Module, args: Any) -> None:
         trace.mark("recompute" if inside_backward_pass() else "fwd", index)
+        if not inside_backward_pass():
+            install()
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         if inside_backward_pass():
             return
+        uninstall()
         trace.mark("fwd_end", index)
         outs, ins = [t for t in tensors_in(out) if t.requires_grad], [t for t in tensors_in(args) if t.requires_grad]
         if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, lambda g: trace.mark("bwd", index), mode="any")
-        if not trainable and ins:
-            torch.autograd.graph.register_multi_grad_hook(ins, lambda g: trace.mark("ready", index, trace.live))
+            torch.autograd.graph.register_multi_grad_hook(outs, backward, mode="any")
+        if flats and not trainable and ins:
+            torch.autograd.graph.register_multi_grad_hook(ins, done)
 
-    def grad_arrived(p: nn.Parameter) -> None:
-        arrived.append(p)
-        if len(arrived) == len(trainable):  # the flat gradient is complete: it replaces the parameters' ones
-            live = trace.live
-            for q in arrived:
-                q.grad = None
+    def backward(grad: Any) -> None:
+        trace.mark("bwd", index)
+        with torch.enable_grad():
+            install()
+
+    def grad_arrived(flat: FlatParameter) -> None:
+        flat.unsharded.grad = None
+        trace.mark("grad", index, flats.index(flat))
+        arrived.append(flat)
+        if len(arrived) == len(trainable):
             arrived.clear()
-            trace.events.append(("ready", index, len(trace.samples), live, trace.live))
+            done()
 
-    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    return handles + [p.register_post_accumulate_grad_hook(grad_arrived) for p in trainable]
+    handles = [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post)]
+    return handles + [f.unsharded.register_post_accumulate_grad_hook(lambda t, f=f: grad_arrived(f)) for f in trainable]
 
 
 def _as_call(batch: Any) -> Tuple[tuple, dict]:
@@ -429,21 +459,19 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
                     if cfg.backward_prefetch == "BACKWARD_PRE":
                         prefetch_before(u, live)
                 gather(u, live)  # (a recomputation gathers a unit that is not)
-            elif kind == "ready":
-                for f in (f for f in units[u] if f.trainable):
-                    note(live, f.full)  # concatenated while the parameters' gradients still live
-                    live = event[4]
-                    while len(pending) >= MAX_PENDING_REDUCTIONS:
-                        pending.popleft()
-                    full = f.full
-                    if f.full_reduce != f.full:
-                        note(live, f.full + f.full_reduce)
-                        full = f.full_reduce
-                    received = 0 if cuda else f.shard_reduce * (cfg.shard_size - 1)  # gloo point-to-point
-                    held_full.pop(u, None)
-                    note(live, full + f.shard_reduce + received + (f.shard if not on_device and f.convert else 0))
-                    pending.append(full + received)
-                    held["reduced"] += f.shard_reduce if on_device else 0
+            elif kind == "grad":  # a flat gradient is complete (concatenated in the trace): reduce it
+                f = units[u][event[4]]
+                while len(pending) >= MAX_PENDING_REDUCTIONS:
+                    pending.popleft()
+                # cast to the reduce dtype; the compute-dtype one lives until reduce_grad returns (the caller's)
+                cast = f.full if f.full_reduce != f.full else 0
+                full = f.full_reduce
+                received = 0 if cuda else f.shard_reduce * (cfg.shard_size - 1)  # gloo point-to-point
+                held_full.pop(u, None)
+                note(live, cast + full + f.shard_reduce + received + (f.shard if not on_device and f.convert else 0))
+                pending.append(full + received)
+                held["reduced"] += f.shard_reduce if on_device else 0
+            elif kind == "done":
                 free(u)
                 if cfg.backward_prefetch == "BACKWARD_POST":
                     prefetch_before(u, live)
