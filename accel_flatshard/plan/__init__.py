@@ -129,10 +129,6 @@ class _Trace(TorchDispatchMode):
         bounds = [e[2] for e in self.events] + [len(self.samples)]
         return [self.samples[a:b] for a, b in zip(bounds, bounds[1:])]
 
-    def segments(self) -> List[int]:
-        """The largest sample between each event and the next (the event's own bytes if none)."""
-        return [max(piece, default=e[3]) for e, piece in zip(self.events, self.pieces())]
-
 
 def _interpolate(a: _Trace, b: _Trace, t: float) -> Optional[_Trace]:
     """The trace at ``a + t (b - a)``: every storage is affine in the micro-batch, so op by op where both have
@@ -221,10 +217,8 @@ class Planner:
             flats = {id(m): [FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units}
             if checkpointing:
                 checkpoint_units(model, units)
-            known = [*model.parameters(), *model.buffers(), *(f.unsharded for fs in flats.values() for f in fs)]
-            for f in known[-sum(map(len, flats.values())):]:
-                f.untyped_storage().resize_(f.numel() * f.element_size())  # gathered for good (not counted)
-            trace = _Trace(known)
+            unsharded = [f.alloc_unsharded() for fs in flats.values() for f in fs]  # gathered for good, not counted
+            trace = _Trace([*model.parameters(), *model.buffers(), *unsharded])
             handles = [h for i, m in enumerate(units) for h in _mark_unit(trace, i, m, flats[id(m)])]
             with trace:
                 batch = _as_call(self.make_batch(micro_batch))
@@ -304,12 +298,9 @@ def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatPar
         for f in flats:
             f.install_views(f.unsharded_views())
 
-    def uninstall(*_: Any) -> None:
+    def done(*_: Any) -> None:
         for f in flats:
             f.uninstall_views()
-
-    def done(*_: Any) -> None:
-        uninstall()
         trace.mark("done", index)
 
     def pre(mod: nn.Module, args: Any) -> None:
@@ -320,7 +311,8 @@ def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatPar
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         if inside_backward_pass():
             return
-        uninstall()
+        for f in flats:
+            f.uninstall_views()
         trace.mark("fwd_end", index)
         outs, ins = [t for t in tensors_in(out) if t.requires_grad], [t for t in tensors_in(args) if t.requires_grad]
         if outs:
@@ -434,7 +426,7 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
         if cuda and on_device and not (convert or keep_grads):
             drop(held["sharded"])  # the gradient shards are released at the next forward
         held["sharded"] = 0
-        for event, segment in zip(trace.events, trace.segments()):
+        for event, piece in zip(trace.events, trace.pieces()):
             kind, u, _, live = event[:4]
             if kind == "fwd":
                 copies.pop(u, None)
@@ -488,13 +480,13 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
                     free(g)
                 where[0] = "optimizer step"
                 note(live, step_extra if on_device else 0, "optimizer step")
-            note(segment)
+            note(max(piece, default=live))  # the ops until the next event
     return best
 
 
 # ---------------------------------------------------------------------- the recommendation
 def step_time(planner: Planner, cfg: Config) -> float:
-    """Seconds per optimizer step by a stated cost model (:data:`HARDWARE`): compute 6 x parameters x
+    """Seconds per optimizer step by a stated cost model (``HARDWARE``): compute 6 x parameters x
     tokens FLOPs (8 with activation checkpointing: one more forward); per micro-step the all-gathers
     (forward, and backward again when resharding) and the reduce-scatter (only the last micro-step's
     under no_sync) over the shard group's link, the replicas' all-reduce between nodes, offload's copies
@@ -518,10 +510,14 @@ def step_time(planner: Planner, cfg: Config) -> float:
 
 
 def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tuple[Config, Prediction, float]]:
-    """The configurations whose predicted peak fits ``device_memory``, fastest first (:func:`step_time`)."""
+    """The configurations whose predicted peak fits ``device_memory``, fastest first (:func:`step_time`); of
+    those differing only in prefetch or limit_all_gathers, the fastest."""
     rows = ((c, planner.predict(c)) for c in planner.configurations())
-    fits = [(c, p, step_time(planner, c)) for c, p in rows if p.peak_bytes <= device_memory]
-    return sorted(fits, key=lambda r: r[2])[:limit]
+    fits = sorted(((c, p, step_time(planner, c)) for c, p in rows if p.peak_bytes <= device_memory), key=lambda r: r[2])
+    kinds = {}
+    for c, p, t in fits:
+        kinds.setdefault(dataclasses.replace(c, forward_prefetch=True, backward_prefetch=None, limit_all_gathers=0), (c, p, t))
+    return list(kinds.values())[:limit]
 
 
 def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
@@ -584,7 +580,7 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
             rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
             batch = lambda n: map_tensors(lambda t: torch.zeros(  # noqa: E731 - the inputs, with n rows
                 (n, *t.shape[1:]) if t.dim() and t.shape[0] == rows else t.shape, dtype=t.dtype), (args, kwargs))
-            planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, "cuda", autocast)
+            planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast)
             predicted, available = planner.predict(Config.of(options, world_size, rows)), available_bytes(device)
             if available is None or predicted.peak_bytes <= available:
                 return

@@ -98,7 +98,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         rows = recommend(planner, device_memory)
         out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(planner.world_size),
                    peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
-                   cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + str(HARDWARE))
+                   cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
+                       f"{k} {v:.3g}" for k, v in HARDWARE.items()))
         if rows:
             budget, whole = generation_budget(planner, rows[0][0], device_memory)
             out["recommended"] = settings(rows[0][0], planner.world_size, planner.batch_size) + [
