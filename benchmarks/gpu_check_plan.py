@@ -104,6 +104,7 @@ def run(device: torch.device, world: int, batch_size: int, seq: int, tol: float)
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--part", choices=["plan"], default="plan", help="(the one part: tests/test_gpu_check_smoke.py's form)")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))  # (for gpu_check.sh; nothing written)
     p.add_argument("--world", type=int, default=8, help="emulated ranks on the GPU (fake process group)")
     p.add_argument("--batch", type=int, default=2)

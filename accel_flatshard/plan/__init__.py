@@ -1,20 +1,15 @@
 """The memory planner (``accel-flatshard plan``): each rank's peak memory in a training step, before the launch.
 
-The model is built on the meta device and sharded on paper by ``prepare``'s own code: units
-(``wrap.select_units``), owners (``fully_sharded._assign_owners``), layout (``FlatParamLayout``), options
-(``integrations/config.py``).  Activations are measured, not guessed: one forward and backward of the model
-class under ``FakeTensorMode`` (no data) on one rank's micro-batch in the compute dtype (units checkpointed
-under activation checkpointing), with a dispatch mode recording the live storage bytes after every op
-and hooks marking each unit's forward, backward and complete gradient (a *trace*).  The engine's buffers
-are then replayed over the trace by the rules of ``engine.py`` / ``unit.py``: gathered units (root kept,
-last unit kept into backward, prefetch, ``SHARD_GRAD_OP`` keeps all), each unit's flat gradient next to
-its parameters' gradients, at most ``max_pending_reductions`` waiting for their reduce-scatter (gloo's
-point-to-point one also holds the chunks it received), reduced shards until the end of backward,
-mixed-precision and offload copies; on CUDA the host is assumed to run ahead of the GPU, so a freed
-buffer is reusable only once the host synchronised on a later free event (``limit_all_gathers`` of them
-outstanding).  Persistent: shards, buffers, optimizer state (two fake steps on the shards), and under
-accumulation the sharded (``sync_each_batch``) or full (``no_sync``) gradients.  The recommendation ranks
-the configurations that fit by :func:`step_time`.  The command line is ``__main__.py``.
+The model is built on the meta device and sharded on paper by ``prepare``'s own code (``wrap.select_units``,
+``fully_sharded._assign_owners``, ``FlatParamLayout``, the options of ``integrations/config.py``).  Activations
+are measured: one forward and backward of the model class on fake tensors (no data) at one rank's
+micro-batch, in the compute dtype, with the engine's flat views, while a dispatch mode records the live
+storage bytes after every op and hooks mark each unit's forward, backward and flat gradients (a trace).
+The engine's buffers are replayed over the trace by the rules of ``engine.py`` and ``unit.py`` (gathers,
+prefetch, pending reductions, reduced shards, mixed-precision and offload copies; on CUDA the host runs
+ahead of the GPU, so freed buffers wait for a free event), on top of the shards, buffers and optimizer
+state (two fake steps).  The recommendation ranks what fits by :func:`step_time`; the command line is
+``__main__.py``.
 """
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ from ..wrap import checkpoint_units, select_units
 
 MAX_PENDING_REDUCTIONS = 2  # the engine's (Engine(max_pending_reductions=2); the wrapper keeps the default)
 GiB = 2**30
-# The cost model's hardware, per GPU (only the ranking of configurations uses it): dense half-precision
-# FLOP/s (fp32: a quarter), the shard group's link inside a node and between nodes, PCIe for offload, the
-# host's optimizer step (bytes of state per second), the fixed cost of one unit's pass in a micro-step.
+# The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
+# links inside and between nodes, PCIe, the host's optimizer step (state bytes/s), one unit's pass per micro-step.
 HARDWARE = {"flops": 300e12, "intra_node": 150e9, "inter_node": 25e9, "pcie": 25e9, "host_step": 4e9,
             "unit_pass_s": 50e-6}
 
@@ -211,32 +205,35 @@ class Planner:
     def _measure(self, checkpointing: bool, micro_batch: int) -> _Trace:
         model = self.build()
         units = self._units(model)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            _to_fake(model, self.param_dtype, self.buffer_dtype)
-            owned, _ = _assign_owners(model, units)
-            flats = {id(m): [FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units}
-            if checkpointing:
-                checkpoint_units(model, units)
-            unsharded = [f.alloc_unsharded() for fs in flats.values() for f in fs]  # gathered for good, not counted
-            trace = _Trace([*model.parameters(), *model.buffers(), *unsharded])
-            handles = [h for i, m in enumerate(units) for h in _mark_unit(trace, i, m, flats[id(m)])]
-            with trace:
-                batch = _as_call(self.make_batch(micro_batch))
-                mp = self.options.mixed_precision
-                args, kwargs = map_tensors(lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, batch) \
-                    if self.param_dtype and mp.cast_forward_inputs else batch  # as the root's pre-forward does
-                with torch.autocast("cpu", self.param_dtype or torch.bfloat16, enabled=self.autocast):
-                    out = model(*args, **kwargs)
-                del args, kwargs  # (the cast copies live as long as the forward keeps them)
-                if self.autocast:  # and converts the outputs to fp32 (convert_outputs_to_fp32)
-                    from accelerate.utils import convert_to_fp32
-                    out = convert_to_fp32(out)
-                loss = _loss_of(out)
-                del out
-                loss.backward()
-                trace.mark("end", 0)
-            for h in handles:
-                h.remove()
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                _to_fake(model, self.param_dtype, self.buffer_dtype)
+                owned, _ = _assign_owners(model, units)
+                flats = {id(m): [FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units}
+                if checkpointing:
+                    checkpoint_units(model, units)
+                unsharded = [f.alloc_unsharded() for fs in flats.values() for f in fs]  # gathered for good, not counted
+                trace = _Trace([*model.parameters(), *model.buffers(), *unsharded])
+                for i, m in enumerate(units):  # (the hooks go with the model)
+                    _mark_unit(trace, i, m, flats[id(m)])
+                with trace:
+                    batch = _as_call(self.make_batch(micro_batch))
+                    mp = self.options.mixed_precision
+                    args, kwargs = map_tensors(lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, batch) \
+                        if self.param_dtype and mp.cast_forward_inputs else batch  # as the root's pre-forward does
+                    with torch.autocast("cpu", self.param_dtype or torch.bfloat16, enabled=self.autocast):
+                        out = model(*args, **kwargs)
+                    del args, kwargs  # (the cast copies live as long as the forward keeps them)
+                    if self.autocast:  # and converts the outputs to fp32 (convert_outputs_to_fp32)
+                        from accelerate.utils import convert_to_fp32
+                        out = convert_to_fp32(out)
+                    loss = _loss_of(out)
+                    del out
+                    loss.backward()
+                    trace.mark("end", 0)
+        except Exception as exc:  # noqa: BLE001 - named for the user: the model, and why fake tensors failed
+            raise ValueError(f"{self.class_name}'s forward and backward did not run on fake tensors (shapes, no data: "
+                             f"Python branching on tensor values, e.g. .item(), cannot run there): {exc}") from exc
         return trace
 
     def optimizer_bytes(self, shard_size: int) -> Tuple[int, int]:
@@ -285,7 +282,7 @@ def _to_fake(model: nn.Module, param_dtype: Optional[torch.dtype], buffer_dtype:
                     group[name] = memo[id(t)]
 
 
-def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> List[Any]:
+def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> None:
     """The engine's view handling for one unit (``unit.py``: views of the flat buffer installed for its forward
     and again, with grad, from its backward's start; one flat gradient per flat parameter, so autograd runs
     the same nodes in the same order), with marks: forward (or recomputation), the start of backward (the
@@ -333,8 +330,10 @@ def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatPar
             arrived.clear()
             done()
 
-    handles = [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post)]
-    return handles + [f.unsharded.register_post_accumulate_grad_hook(lambda t, f=f: grad_arrived(f)) for f in trainable]
+    module.register_forward_pre_hook(pre, prepend=True)
+    module.register_forward_hook(post)
+    for f in trainable:
+        f.unsharded.register_post_accumulate_grad_hook(lambda t, f=f: grad_arrived(f))
 
 
 def _as_call(batch: Any) -> Tuple[tuple, dict]:
@@ -535,17 +534,6 @@ def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
     return out + [f"per-device batch {cfg.micro_batch}" + (f", gradient_accumulation_steps {steps} ({sync})" if steps > 1 else "")]
 
 
-def generation_budget(planner: Planner, cfg: Config, device_memory: int) -> Tuple[int, int]:
-    """``FLATSHARD_GENERATION_BUDGET_MB`` for ``cfg``, planned the same way: what ``generate()`` may keep gathered
-    next to the shards, optimizer state and buffers (gradients are released by then) and the activations
-    of a training forward at this micro-batch (a bound for generation's activations and KV cache).
-    Returns (budget bytes, the whole model gathered: at or under the budget ``generate()`` gathers once)."""
-    parts = planner.predict(cfg).parts
-    forward = max(e[3] for e in planner.trace(cfg.checkpointing, cfg.micro_batch).events if e[0] == "fwd_end")
-    kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
-    return max(0, device_memory - kept - forward), sum(f.gathered for u in planner.layout(cfg.shard_size) for f in u)
-
-
 # ---------------------------------------------------------------------- the check at prepare
 def available_bytes(device: torch.device) -> Optional[int]:
     """What this process may hold on ``device``: CUDA's free memory plus what torch's allocator reserved.
@@ -580,7 +568,8 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
             rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
             batch = lambda n: map_tensors(lambda t: torch.zeros(  # noqa: E731 - the inputs, with n rows
                 (n, *t.shape[1:]) if t.dim() and t.shape[0] == rows else t.shape, dtype=t.dtype), (args, kwargs))
-            planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast)
+            planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast,
+                              tokens=tensors[0].numel() // rows if tensors else 1)
             predicted, available = planner.predict(Config.of(options, world_size, rows)), available_bytes(device)
             if available is None or predicted.peak_bytes <= available:
                 return
@@ -592,6 +581,6 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
         warnings.warn(f"accel_flatshard: predicted peak {predicted.peak_bytes / GiB:.2f} GiB per rank (in the "
                       f"{predicted.where}) exceeds the {available / GiB:.2f} GiB available on {device}. Fastest "
                       f"configuration predicted to fit: {advice}. `accel-flatshard plan` prints the breakdown "
-                      "(the prediction assumes the host runs ahead of the GPU: it may be pessimistic).")
+                      "(the prediction may be pessimistic: on CUDA it assumes the host runs ahead of the GPU).")
 
     handle = wrapped.register_forward_pre_hook(check, with_kwargs=True)

@@ -16,13 +16,13 @@ import json
 import os
 import re
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..integrations.config import options_from_launch_args
-from . import HARDWARE, Config, Planner, generation_budget, recommend, settings, step_time
+from . import HARDWARE, Config, Planner, recommend, settings, step_time
 
 
 def _function(spec: str) -> Callable:
@@ -78,6 +78,17 @@ def parse_bytes(text: str) -> int:
     number, prefix, binary, b = match.groups()
     power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
     return int(float(number) * (1000 if b and not binary else 1024) ** power)
+
+
+def generation_budget(planner: Planner, cfg: Config, device_memory: int) -> Tuple[int, int]:
+    """``FLATSHARD_GENERATION_BUDGET_MB`` for ``cfg``, planned the same way: what ``generate()`` may keep gathered
+    next to the shards, optimizer state and buffers (gradients are released by then) and the activations
+    of a training forward at this micro-batch (a bound for generation's activations and KV cache).
+    Returns (budget bytes, the whole model gathered: at or under the budget ``generate()`` gathers once)."""
+    parts = planner.predict(cfg).parts
+    forward = max(e[3] for e in planner.trace(cfg.checkpointing, cfg.micro_batch).events if e[0] == "fwd_end")
+    kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
+    return max(0, device_memory - kept - forward), sum(f.gathered for u in planner.layout(cfg.shard_size) for f in u)
 
 
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
