@@ -144,8 +144,9 @@ def print_report(out: Dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="accel-flatshard plan", description=__doc__.split("\n")[0], epilog="Every other "
-                                "flag is accelerate launch's: --config_file, --num_processes, --num_machines, --use_fsdp, ...")
+    p = argparse.ArgumentParser(prog="accel-flatshard plan", description="Each rank's peak memory in a training step, "
+                                "before the launch.", epilog="Every other flag is accelerate launch's: --config_file, "
+                                "--num_processes, --num_machines, --use_fsdp, ...")
     p.add_argument("--model", required=True, help="a Hugging Face config directory or cached hub name, or "
                    "module:function / file.py:function returning your nn.Module")
     p.add_argument("--batch_size", type=int, default=1, help="per device (default 1)")
