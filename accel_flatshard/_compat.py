@@ -10,6 +10,7 @@ from typing import Any, Callable, List
 import torch
 from torch.utils._pytree import tree_flatten as _tree_flatten
 from torch.utils._pytree import tree_map as _tree_map
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - sees every aten op (the memory planner)
 
 
 def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
@@ -34,3 +35,18 @@ def profiler_enabled() -> bool:
     """Whether a torch (autograd / kineto) profiler is recording: record_function spans are skipped otherwise
     (about 0.1 us for this check against about 6 us for an unobserved record_function on a busy CPU)."""
     return torch._C._autograd._profiler_enabled()
+
+
+def FakeTensorMode(**kwargs: Any) -> Any:  # noqa: N802 - torch's class
+    """torch's fake tensors (shapes and dtypes, no data): the memory planner runs whole steps on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode
+
+    return _FakeTensorMode(**kwargs)
+
+
+def fake_mode_with_scalars() -> Any:
+    """Fake tensors whose ``.item()`` is symbolic (torch.optim's steps read their step counter)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+

@@ -8,6 +8,8 @@ Commands (CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written
         directory: its model(s), optimizer(s) and accelerate's other files
     accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]
         model checkpoint -> Hugging Face model.safetensors (or shards + index)
+    accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S [--device_memory 80GiB]
+        each rank's peak memory in a training step, before the launch (``accel_flatshard/plan``)
 
 Example::
 
@@ -120,11 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of the input")
     p.set_defaults(func=_consolidate)
+    sub.add_parser("plan", add_help=False, help="each rank's peak memory in a training step, before the launch "
+                   "(accel-flatshard plan --help)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``accel-flatshard`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its flags include accelerate launch's own
+        from .plan.__main__ import main as plan
+
+        return plan(argv[1:])
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
 

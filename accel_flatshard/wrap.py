@@ -199,3 +199,18 @@ def _numel(module: nn.Module, seen: Set[int]) -> int:
             seen.add(id(p))
             n += p.numel()
     return n
+
+
+def checkpoint_units(root: nn.Module, unit_modules: Sequence[nn.Module]) -> bool:
+    """Activation checkpointing of each of ``unit_modules`` (torch's non-reentrant ``checkpoint_wrapper``,
+    what accelerate applies for ``fsdp_activation_checkpointing``); False when there is none.  The wrapper
+    sits outside the unit's module, so the recomputation in backward goes through the unit's hooks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    inner = {id(m) for m in unit_modules if m is not root}
+    if inner:
+        apply_activation_checkpointing(
+            root, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: id(m) in inner)
+    return bool(inner)

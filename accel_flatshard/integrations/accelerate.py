@@ -45,9 +45,10 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options
+from .. import options, plan
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
+from ..wrap import checkpoint_units
 from . import checkpointing, patches
 from .multi_model import clip_grad_norm_over_models
 from .versions import check_versions
@@ -196,11 +197,15 @@ class Accelerator(_BaseAccelerator):
             )
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
+        # CUDA only (plan.available_bytes): the memory check before the first step needs the model's structure
+        skeleton = plan.meta_copy(model) if not evaluation_mode and plan.available_bytes(self.device) is not None else None
         if self.native_amp:
             _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
         if opts.activation_checkpointing and not evaluation_mode:
             _apply_activation_checkpointing(wrapped)
+        if skeleton is not None:
+            plan.warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp)
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
         return wrapped
@@ -397,29 +402,10 @@ def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
 
 
 def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
-    """Checkpoint every inner unit, as accelerate does for torch FSDP (non-reentrant wrapper).
-
-    The wrapper sits outside the unit's module, so the recomputation in backward goes through the unit's
-    hooks and finds its parameters gathered.
-    """
-    import functools
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    inner = {id(u.module) for u in wrapped.units if not u.is_root}
-    if not inner:
+    """Checkpoint every inner unit, as accelerate does for torch FSDP (``wrap.checkpoint_units``)."""
+    if not checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
         warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
                       "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=3)
-        return
-    apply_activation_checkpointing(
-        wrapped.module,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: id(m) in inner,
-    )
 
 
 def register() -> None:

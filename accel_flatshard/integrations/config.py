@@ -438,6 +438,37 @@ def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any],
     return __post_init__
 
 
+def options_from_launch_args(argv: List[str]) -> tuple:
+    """``accelerate launch`` flags (``--config_file``, ``--num_processes``, ``--mixed_precision``, ``--fsdp_*``) ->
+    the options every launched process would wrap with: accelerate's own parser, yaml merge and launcher
+    environment (``FSDP_*``), the plugin built from that environment, :func:`options_from_plugin`.
+    Returns ``(options, launch_args)``; ``launch_args`` has ``num_processes``, ``num_machines``, ``mixed_precision``."""
+    import contextlib
+    import sys
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args([*argv, "train.py"])
+    with contextlib.redirect_stdout(sys.stderr):  # accelerate prints the defaults it filled in
+        _validate_launch_command(args)
+        if not args.use_fsdp:
+            raise ValueError("not an FSDP launch: give an accelerate yaml with `distributed_type: FSDP` "
+                             "(--config_file) or --use_fsdp and the --fsdp_* flags")
+        args.machine_rank, args.main_process_port = args.machine_rank or 0, 0  # (0: any free port; nothing starts)
+        env = prepare_multi_gpu_env(args)
+    env["LOCAL_WORLD_SIZE"] = str(max(1, args.num_processes // max(1, args.num_machines)))
+    saved = dict(os.environ)
+    os.environ.update(env)  # accelerate's plugin reads its FSDP_* fields from the environment
+    try:
+        plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
+        return options_from_plugin(plugin, args.mixed_precision, env), args
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # ---------------------------------------------------------------------- the launcher's environment
 def launched_world_size() -> int:
     """How many processes the launcher started (torchrun / accelerate launch set WORLD_SIZE)."""

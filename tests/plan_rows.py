@@ -1,0 +1,186 @@
+"""The memory planner's accuracy matrix (tests/test_plan.py): configurations, the real step they describe, and
+its measured peak.
+
+Measured = torch's own dispatch-level tracker (``torch.distributed._tools.mem_tracker.MemTracker``) over one
+steady-state step (the second: optimizer state exists, forward prefetch follows the recorded order) of the
+real wrapped model: forward, backward, optimizer step, zero_grad, the micro-batches of an accumulated
+batch included.  It sees every storage an op creates, the gathered buffers through ``resize_``, and the
+tensors made before the step it is given (shards, optimizer state, buffers, inputs, offload's host
+buffers); RSS would blur all of this in the allocator.  ``SimulatedOOM``: the same tracker raising as soon
+as the memory in use exceeds a limit (a device of that size).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from accel_flatshard import FullyShardedDataParallel, MixedPrecision
+from accel_flatshard.integrations.config import FlatShardOptions
+from accel_flatshard.plan import Config, Planner
+from accel_flatshard.unit import BackwardPrefetch
+from accel_flatshard.wrap import checkpoint_units
+
+BATCH, SEQ = 4, 32
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16_REDUCE_BF16 = MixedPrecision(param_dtype=torch.bfloat16)
+
+
+def llama() -> nn.Module:
+    import models
+
+    return models.llama(n_layer=3, hidden=64)
+
+
+def gpt2() -> nn.Module:  # tied input/output embedding (in the root unit)
+    import models
+
+    return models.gpt2(n_layer=3, n_embd=64)
+
+
+def toy() -> nn.Module:
+    """A user's own module: a weight tied across units, a unit called twice, a parameter-less unit, frozen."""
+    import toy as toy_module
+
+    return toy_module.Toy(freeze_embed=True)
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Optional[List[str]]]] = {
+    "llama": (llama, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"])}
+
+
+def make_batch(name: str) -> Callable[[int], Any]:
+    if name == "toy":
+        return lambda n: (torch.ones(n * 8, 12),)  # (8 rows per sample: a "sample" of the toy model)
+    return lambda n: {"input_ids": torch.zeros(n, SEQ, dtype=torch.long), "labels": torch.zeros(n, SEQ, dtype=torch.long)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    world_size: int
+    cfg: Config
+    mixed_precision: Optional[MixedPrecision] = None
+    label: str = ""
+
+    def options(self) -> FlatShardOptions:
+        c = self.cfg
+        prefetch = BackwardPrefetch[c.backward_prefetch] if c.backward_prefetch else None
+        return FlatShardOptions(
+            reshard_after_forward=c.reshard_after_forward, fsdp_group_size=c.shard_size if c.shard_size < self.world_size
+            else None, backward_prefetch=prefetch, forward_prefetch=c.forward_prefetch, wrap="transformer",
+            layer_cls_names=MODELS[self.model][1], activation_checkpointing=c.checkpointing,
+            mixed_precision=self.mixed_precision, limit_all_gathers=c.limit_all_gathers, offload_params=c.offload)
+
+    def planner(self, device: str = "cpu") -> Planner:
+        def build() -> nn.Module:
+            with torch.device("meta"):
+                return MODELS[self.model][0]()
+        return Planner(build, self.options(), self.world_size, BATCH, make_batch(self.model), device,
+                       optimizer=adamw(device))
+
+
+def adamw(device: str) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=device == "cuda")
+
+
+def row(model: str, world_size: int, label: str = "", mixed_precision=None, **knobs: Any) -> Row:
+    defaults = dict(shard_size=world_size, micro_batch=BATCH)
+    return Row(model, world_size, Config(**{**defaults, **knobs}), mixed_precision, label)
+
+
+class SimulatedOOM(RuntimeError):
+    pass
+
+
+class _LimitedTracker(MemTracker):
+    """MemTracker that raises :class:`SimulatedOOM` when the memory in use exceeds ``limit`` bytes."""
+
+    def __init__(self, limit: Optional[int]) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        # its gradient hooks fail on frozen parameters; gradients are op outputs, counted anyway
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        used = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        if self.limit is not None and used > self.limit:
+            raise SimulatedOOM(f"{used} bytes in use > {self.limit} at {func}")
+        return out
+
+
+def wrap(r: Row) -> FullyShardedDataParallel:
+    torch.manual_seed(0)
+    model = MODELS[r.model][0]()
+    opts = r.options()
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=opts.auto_wrap_policy(model), **opts.wrapper_kwargs())
+    if opts.activation_checkpointing:
+        checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
+    return wrapped
+
+
+def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None, wrapped=None) -> int:
+    """The measured peak of the last of ``steps`` optimizer steps (``sim``: the CUDA simulator's device peak)."""
+    wrapped = wrapped or wrap(r)
+    optimizer = adamw("cuda" if sim is not None else "cpu")(list(wrapped.parameters()))
+    batch = make_batch(r.model)(BATCH)
+    chunks = [_split(batch, i, r.cfg.micro_batch) for i in range(0, BATCH, r.cfg.micro_batch)]
+    peak = 0
+    for step in range(steps):
+        tracker = _LimitedTracker(limit) if step == steps - 1 and sim is None else None
+        if tracker is not None:
+            engine = wrapped._root.engine
+            tensors = [f.unsharded for f in wrapped.flat_params] + (engine.offload.host_buffers if engine.offload else [])
+            tracker.track_external(wrapped, optimizer, *tensors, *[t for c in chunks for t in _tensors(c)])
+        if sim is not None:
+            sim.peak_bytes = {}
+        with tracker if tracker is not None else sim if sim is not None else contextlib.nullcontext():
+            for i, chunk in enumerate(chunks):
+                quiet = r.cfg.accumulation == "no_sync" and i < len(chunks) - 1
+                with wrapped.no_sync() if quiet else contextlib.nullcontext():
+                    args, kwargs = (chunk, {}) if isinstance(chunk, tuple) else ((), chunk)
+                    out = wrapped(*args, **kwargs)
+                    loss = getattr(out, "loss", out)
+                    del out
+                    loss.backward()
+                if tracker is not None:
+                    tracker.reset_mod_stats()  # (it refuses a second forward of the root otherwise)
+            optimizer.step()
+            optimizer.zero_grad()
+        if tracker is not None:
+            peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    return sim.peak_bytes["device"] if sim is not None else peak
+
+
+def _split(batch: Any, start: int, n: int) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(t[start * 8:(start + n) * 8] for t in batch)  # (toy: 8 rows per sample)
+    return {k: v[start:start + n].clone() for k, v in batch.items()}
+
+
+def _tensors(chunk: Any) -> List[torch.Tensor]:
+    return list(chunk) if isinstance(chunk, tuple) else list(chunk.values())
+
+
+def measure_rows(rank: int, world_size: int, rows: List[Row], limits: List[Optional[int]]) -> List[Any]:
+    """On each of ``world_size`` gloo ranks (dist_helpers.spawn): every row's measured peak, or the
+    SimulatedOOM message when the row's limit was exceeded."""
+    out = []
+    for r, limit in zip(rows, limits):
+        try:
+            out.append(measure(r, limit))
+        except SimulatedOOM as exc:
+            out.append(str(exc))
+    return out
+
+
+def toy_cli_batch(batch_size: int, seq_len: Any) -> tuple:
+    """``--make_batch`` for the toy model (the command line's signature)."""
+    return make_batch("toy")(batch_size)

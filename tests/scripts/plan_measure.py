@@ -1,0 +1,53 @@
+"""Under ``accelerate launch`` (tests/test_plan.py): 3 steps of a saved Hugging Face config's model through
+accel_flatshard's Accelerator; each rank's peak of step 3 measured by torch's MemTracker (tests/plan_rows.py),
+and the warnings of the first forward (prepare's memory check, given ``--device_memory`` as the free memory
+of the device) and of the later steps."""
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from plan_rows import _LimitedTracker  # noqa: E402
+
+from accel_flatshard import plan  # noqa: E402
+from accel_flatshard.integrations.accelerate import Accelerator  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--device_memory", type=int, required=True)
+args = p.parse_args()
+plan.available_bytes = lambda device: args.device_memory  # a device of this size (prepare checks only CUDA's)
+
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+accelerator = Accelerator()
+model, optimizer = accelerator.prepare(model, optimizer)
+x = torch.randint(0, 256, (8, 128))
+y = x.clone()
+caught = {}
+for step in range(3):
+    tracker = None
+    if step == 2:
+        tracker = _LimitedTracker(None)
+        tracker.track_external(model, optimizer.optimizer, *[f.unsharded for f in model.flat_params], x, y)
+    with warnings.catch_warnings(record=True) as caught[step], tracker or warnings.catch_warnings():
+        warnings.simplefilter("always")
+        loss = model(input_ids=x, labels=y).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+peaks = [None] * accelerator.num_processes
+dist.all_gather_object(peaks, peak)
+flatshard = lambda ws: [str(w.message) for w in ws if "accel_flatshard: predicted peak" in str(w.message)]  # noqa: E731
+if accelerator.is_main_process:
+    Path(args.out).write_text(json.dumps({"peak_bytes": peaks, "warnings_first_forward": flatshard(caught[0]),
+                                          "warnings_later": flatshard(caught[1]) + flatshard(caught[2])}))
