@@ -22,6 +22,7 @@ finds the unit unsharded (gathering if needed) and neither hooks outputs nor res
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
@@ -227,8 +228,14 @@ class Unit:
             self.root.prefetch_before(self)
 
     def _make_post_backward(self, flat: FlatParameter):
+        # The hook is held by the tensor's C++ side, which the garbage collector cannot traverse: a strong
+        # reference to the unit (or the flat parameter, which holds the tensor) would keep the whole model alive.
+        unit, index = weakref.ref(self), self.flat_params.index(flat)
+
         def hook(tensor: torch.Tensor) -> None:
-            self._post_backward(flat)
+            owner = unit()
+            if owner is not None:
+                owner._post_backward(owner.flat_params[index])
 
         return hook
 
