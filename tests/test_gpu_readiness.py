@@ -101,3 +101,106 @@ def test_wrapped_model_is_freed_after_del(world_of_one, tmp_path, scenario):
     del wrapper, model
     gc.collect()
     assert wrapper_ref() is None and model_ref() is None, f"wrapped model still alive after: {scenario}"
+
+
+# ---------------------------------------------------------------------- ranks agree on the generation plan
+def _two_ranks_with_different_free_memory(rank, world):
+    """Rank 0 sees room for the whole model, rank 1 for half of it (two GPUs with different other tenants).
+    Returns each rank's plan, its generated tokens and the plain model's on the same prompts, and the CUDA
+    device the object collectives ran on."""
+    import contextlib
+
+    from accel_flatshard import FullyShardedDataParallel, comm, generation, transformer_auto_wrap_policy
+
+    model, reference = llama(n_layer=4), llama(n_layer=4)
+    wrapper = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    total = sum(generation.unit_bytes(u) for u in wrapper.units)
+    generation.free_memory_bytes = lambda device: 4 * total if rank == 0 else total  # budget: free // 2
+    plan = [u.name for u in generation.control_of(wrapper).plan()]
+    plans = comm.all_gather_object(dist.group.WORLD, plan)
+    assert plans[0] == plans[1], f"ranks planned differently (they would hang in generate): {plans}"
+    prompts = batches(1, batch=2, seq=3 + 2 * rank, seed=rank)[0]  # ranks end their sequences at other steps
+    tokens = wrapper.module.generate(prompts, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = reference.generate(prompts, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    # object collectives over the group of a model on cuda:(rank + 1), the current CUDA device being 0: a
+    # stand-in torch.cuda.device / current_device records where torch would put their tensors
+    current = [0]
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        previous, current[0] = current[0], torch.device(device).index
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    torch.cuda.device, torch.cuda.current_device = cuda_device, lambda: current[0]
+    seen = []
+    for name in ("all_gather_object", "broadcast_object_list", "barrier"):
+        original = getattr(dist, name)
+        setattr(dist, name, lambda *a, _original=original, _name=name, **k: (seen.append((_name, current[0])),
+                                                                            _original(*a, **k))[1])
+    group = comm.ShardGroup()
+    group.bind_device(torch.device("cuda", rank + 1))
+    comm.all_gather_object(group.world_group, rank)
+    comm.broadcast_object(group.world_group, "x")
+    comm.barrier(group.world_group)
+    return {"plan": plan, "tokens": tokens.tolist(), "expected": expected.tolist(), "object_devices": seen}
+
+
+@pytest.mark.filterwarnings("ignore:accel_flatshard. generation")
+def test_ranks_with_different_free_memory_agree_on_the_generation_plan():
+    """Before the fix rank 0 kept every unit (gather-once, no synced_gpus) and rank 1 half of them (gathers at
+    every decoding step): different collective sequences, a hang.  Now the smallest budget decides on both."""
+    results = spawn(2, _two_ranks_with_different_free_memory, timeout_s=60)
+    assert results[0]["plan"] == results[1]["plan"] and 0 < len(results[0]["plan"]) < 7  # of 7 units
+    for r in results:
+        assert r["tokens"] == r["expected"]
+        assert r["object_devices"] == [(name, results.index(r) + 1)
+                                       for name in ("all_gather_object", "broadcast_object_list", "barrier")]
+
+
+# ---------------------------------------------------------------------- the norm's device under offload
+class _NcclGroupStandIn:
+    """A ShardGroup over NCCL for a model on ``device``; records the device of the norm's all-reduce."""
+
+    uses_nccl, uses_gloo, shard_rank = True, False, 0
+
+    def __init__(self, device):
+        self.device, self.all_reduced_on = device, []
+
+    def all_reduce_shard_group(self, tensor, op=None):
+        self.all_reduced_on.append(tensor.device)
+        raise StopIteration  # (the stand-in device holds no values: stop after the collective is issued)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["device_given", "device_of_group"])
+def test_offloaded_grad_norm_is_all_reduced_on_the_models_device(monkeypatch, explicit):
+    """Under offload the gradients are on the host; before the fix the norm then went to
+    torch.cuda.current_device() (every rank on cuda:0 without set_device) instead of the model's device."""
+    from accel_flatshard import clip_grad_norm_
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model_device = torch.device("meta")  # stands in for cuda:LOCAL_RANK (no tensor values needed)
+    group = _NcclGroupStandIn(model_device)
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)  # on the host, as offload keeps it
+    param._flatshard_group = group
+    with pytest.raises(StopIteration):
+        clip_grad_norm_([param], 1.0, group=group, device=model_device if explicit else None)
+    assert group.all_reduced_on == [model_device]
+
+
+def test_cuda_free_memory_counts_the_allocators_cached_blocks(monkeypatch):
+    """mem_get_info sees blocks the caching allocator reserved but no tensor uses as taken; they are free to
+    the next allocation (the generation budget is half of this)."""
+    from accel_flatshard.generation import free_memory_bytes
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (asked.append(d), (1000, 8000))[1])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: (asked.append(d), 700)[1])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: (asked.append(d), 200)[1])
+    device = torch.device("cuda", 1)
+    assert free_memory_bytes(device) == 1000 + 700 - 200 and asked == [device] * 3
