@@ -116,6 +116,7 @@ class ShardGroup:
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
+        self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
 
     def bind_device(self, device: torch.device) -> None:
         """The model's device, where the norm's all-reduce and the world group's object collectives run: not the
@@ -137,7 +138,7 @@ class ShardGroup:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True):
         """Gather every rank's ``shard`` into ``output`` (rank order)."""
         self.bytes_gathered += shard.numel() * shard.element_size()
-        if self.shard_size == 1:
+        if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(shard)
             return DONE
         if self.all_gather_via_p2p:
@@ -189,7 +190,7 @@ class ShardGroup:
         ``output`` must then be taken with :meth:`take_reduced_shard` after ``wait()``.
         """
         self.bytes_reduced += full.numel() * full.element_size()
-        if self.shard_size == 1:
+        if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
         if self.via_p2p:
@@ -205,7 +206,7 @@ class ShardGroup:
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """After a finished :meth:`reduce_scatter`: the reduced shard of this rank."""
-        if self.reduce_scatter_via_all_reduce and self.shard_size > 1:
+        if self.reduce_scatter_via_all_reduce:
             n = output.numel()
             output.copy_(full[self.shard_rank * n : (self.shard_rank + 1) * n])
         return output
