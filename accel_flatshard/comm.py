@@ -119,8 +119,7 @@ class ShardGroup:
         self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
 
     def bind_device(self, device: torch.device) -> None:
-        """The model's device, where the norm's all-reduce and the world group's object collectives run: not the
-        current CUDA device (cuda:0 where a script moved its model to cuda:LOCAL_RANK without set_device)."""
+        """Run the norm's all-reduce and the object collectives on the model's device, not the current one."""
         self.device = device
         if device.type == "cuda":
             _CUDA_DEVICE_OF_GROUP[self.world_group] = device
@@ -254,7 +253,8 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
-# process group -> the CUDA device of the model sharded over it (ShardGroup.bind_device)
+# process group -> the CUDA device of the model sharded over it: the current device is cuda:0 where a script
+# moved its model to cuda:LOCAL_RANK without torch.cuda.set_device
 _CUDA_DEVICE_OF_GROUP: "weakref.WeakKeyDictionary[dist.ProcessGroup, torch.device]" = weakref.WeakKeyDictionary()
 
 

@@ -228,8 +228,7 @@ class Unit:
             self.root.prefetch_before(self)
 
     def _make_post_backward(self, flat: FlatParameter):
-        # The hook is held by the tensor's C++ side, which the garbage collector cannot traverse: a strong
-        # reference to the unit (or the flat parameter, which holds the tensor) would keep the whole model alive.
+        # weak: held from the tensor's C++ side, a reference to the unit (or flat) is a cycle gc cannot break
         unit, index = weakref.ref(self), self.flat_params.index(flat)
 
         def hook(tensor: torch.Tensor) -> None:

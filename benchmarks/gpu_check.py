@@ -335,7 +335,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
           f"root {_mib(root_bytes)}, {engine.max_inflight + 1} x layer {_mib(layer_bytes)}, "
           f"{engine.max_pending_reductions + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
           f"{'PASS' if good else 'FAIL'}; {ours_s * 1e3:.0f} ms/step", flush=True)
-    del wrapped, opt, host_model
+    del wrapped, opt, host_model, engine
 
     # 3. torch FSDP2 on the same model (informational: our checks above decide the verdict)
     try:
@@ -413,10 +413,16 @@ def leak(device, steps: int) -> bool:
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
 
+    # warm-up: what the first matmuls allocate for good (cuBLAS workspaces) must not count as a leak
+    plain = small_model("llama", layers=4, hidden=256).to(device)
+    train(plain, data[:1])
+    plain.generate(data[0][:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    del plain
     for offload in (False, True):
         before = allocated()
         model = small_model("llama", layers=4, hidden=256).to(device)
         wrapped = wrap(model, cpu_offload=CPUOffload(offload_params=offload))
+        shards = wrapped.sharded_bytes()
         train(wrapped, data)
         wrapped.module.generate(data[0][:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
         wrapped.state_dict()
@@ -425,10 +431,11 @@ def leak(device, steps: int) -> bool:
         del wrapped, model
         left = allocated() - before
         alive = [r() is not None for r in refs]
-        good = not any(alive) and left <= 2**16
+        good = not any(alive) and left <= 2**20  # (a leak without offload holds at least its shards there)
         ok &= good
-        print(f"  {'offload' if offload else 'plain':7s}: device memory held before del {_mib(held)}, after del "
-              f"{left} bytes; wrapper/module alive after del: {alive}: {'PASS' if good else 'FAIL'}", flush=True)
+        print(f"  {'offload' if offload else 'plain':7s}: shards {_mib(shards)}; device memory held before del "
+              f"{_mib(held)}, after del {left} bytes; wrapper/module alive after del: {alive}: "
+              f"{'PASS' if good else 'FAIL'}", flush=True)
     return ok
 
 

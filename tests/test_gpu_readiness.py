@@ -204,3 +204,88 @@ def test_cuda_free_memory_counts_the_allocators_cached_blocks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: (asked.append(d), 200)[1])
     device = torch.device("cuda", 1)
     assert free_memory_bytes(device) == 1000 + 700 - 200 and asked == [device] * 3
+
+
+# ---------------------------------------------------------------------- torch 2.11: the version gate, the API
+def test_version_gate_accepts_the_gpu_machines_stack():
+    """The GPU machine: torch 2.11.0+cu130, transformers 5.17.0, accelerate 1.15.0 (peft, no trl)."""
+    from accel_flatshard.integrations.versions import check_versions
+
+    assert check_versions({"torch": "2.11.0+cu130", "transformers": "5.17.0", "accelerate": "1.15.0",
+                           "peft": "0.21.2", "trl": None}) == []
+    with pytest.raises(RuntimeError, match="torch 2.10.0 is older"):
+        check_versions({"torch": "2.10.0", "accelerate": "1.15.0"})
+
+
+def _api_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_api_check", REPO / "tools" / "torch_api_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_torch_use_exists_in_torch_2_11(capsys):
+    """CI's half of tools/torch_api_check.py: every torch name the package and gpu_check use is in the
+    committed manifest (resolved in the torch 2.11 wheel's sources) and present there, or optional.  (Which
+    instance attribute names count as Tensor / Module methods is read from the installed torch, CI's 2.13.)"""
+    assert _api_check().main([]) == 0, capsys.readouterr().out
+
+
+def test_api_check_reports_what_2_11_lacks():
+    check = _api_check()
+    uses = check.Uses()
+    uses.add("torch.distributed.all_gather_single", "a.py:1")  # required: absent in 2.11
+    uses.add("torch.distributed.reduce_scatter_single", "a.py:2", optional=True)  # getattr(..., None): falls back
+    uses.add("torch.cuda.Stream", "a.py:3", keywords=["priority", "no_such_keyword"])
+    uses.add("torch.not_in_the_manifest", "a.py:4")
+    manifest = {"torch.distributed.all_gather_single": {"status": "absent"},
+                "torch.distributed.reduce_scatter_single": {"status": "absent"},
+                "torch.cuda.Stream": {"status": "present", "keywords": {"priority": "present",
+                                                                        "no_such_keyword": "absent"}}}
+    errors, notes = check.problems(uses, manifest)
+    assert len(errors) == 3 and len(notes) == 1
+    text = "\n".join(errors)
+    assert "all_gather_single (a.py:1) is absent" in text and "has no keyword 'no_such_keyword'" in text
+    assert "not_in_the_manifest (a.py:4) is not in" in text and "falls back" in notes[0]
+
+
+def test_api_resolver_agrees_with_the_installed_torch():
+    """The static resolver, run on the installed torch's own sources, against that torch imported: what it
+    finds exists, what it cannot find does not (or is one of the names made at run time)."""
+    import importlib
+
+    check = _api_check()
+    resolver = check.Resolver(check.Sources(Path(torch.__file__).parent))
+    present = ["torch.distributed.all_gather_into_tensor", "torch.cuda.Stream",
+               "torch.autograd.graph.register_multi_grad_hook", "torch.Tensor.register_post_accumulate_grad_hook",
+               "torch.Tensor.record_stream", "torch.distributed.group.WORLD", "torch.distributed.ReduceOp.MIN",
+               "torch.nn.Module.register_forward_pre_hook", "torch.float32", "torch.zeros", "torch.optim.AdamW",
+               "torch.distributed.checkpoint.FileSystemWriter", "torch.utils._pytree.tree_map"]
+    for chain in present:
+        assert resolver.resolve(chain)[0] == "present", chain
+    assert resolver.resolve("torch.distributed.all_gather_single")[0] == (  # torch >= 2.13 only
+        "present" if hasattr(dist, "all_gather_single") else "absent")
+    for chain in ("torch.cuda.NoSuchStream", "torch.distributed.all_gather_everything", "torch.Tensor.no_such_method"):
+        assert resolver.resolve(chain)[0] == "absent", chain
+    _, target = resolver.resolve("torch.nn.Module.register_forward_pre_hook")
+    assert resolver.keyword_ok(target, "with_kwargs") and resolver.keyword_ok(target, "no_such") is False
+
+    def exists(chain):
+        obj, parts = torch, chain.split(".")
+        for i, part in enumerate(parts[1:], 1):
+            if not hasattr(obj, part):
+                try:
+                    obj = importlib.import_module(".".join(parts[: i + 1]))
+                    continue
+                except ImportError:
+                    return False
+            obj = getattr(obj, part)
+        return True
+
+    uses = check.scan_sources()
+    check.instance_uses(uses, check.installed_has_attribute)
+    statuses = {chain: resolver.resolve(chain)[0] for chain in uses.chains}
+    assert [c for c, s in statuses.items() if s == "present" and not exists(c)] == []
+    assert len([c for c, s in statuses.items() if s == "present"]) > 200

@@ -58,7 +58,7 @@ class Uses:
         entry = self.chains.setdefault(chain, {"optional": True, "keywords": set(), "where": []})
         entry["optional"] &= optional
         entry["keywords"].update(keywords)
-        if len(entry["where"]) < 3:
+        if len(entry["where"]) < 3 and where not in entry["where"]:
             entry["where"].append(where)
 
 
