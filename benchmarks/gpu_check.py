@@ -541,7 +541,7 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: smoke run of the same code on gloo / the fake process group, tiny sizes")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5 cuda, 2 cpu)")
     p.add_argument("--tol", type=float, default=None, help="parity tolerance (default 1e-4 cuda, 1e-6 cpu)")
     p.add_argument("--comm-repeat", type=int, default=8)
     p.add_argument("--min-overlap", type=float, default=0.5)
@@ -555,6 +555,7 @@ def main() -> int:
         print("CUDA is not available", file=sys.stderr)
         return 2
     args.tol = args.tol if args.tol is not None else (1e-4 if cuda else 1e-6)
+    args.steps = args.steps if args.steps is not None else (5 if cuda else 2)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda and args.part != ["nccl"]:
         torch.cuda.set_device(device)

@@ -53,6 +53,7 @@ class Uses:
         self.chains: Dict[str, dict] = {}
         self.attribute_names: Dict[str, Set[str]] = {}  # attribute name -> keywords of calls (any object)
         self.attribute_where: Dict[str, str] = {}
+        self.from_instances: Set[str] = set()  # chains added by instance_uses only
 
     def add(self, chain: str, where: str, optional: bool = False, keywords: Iterable[str] = ()) -> None:
         entry = self.chains.setdefault(chain, {"optional": True, "keywords": set(), "where": []})
@@ -154,6 +155,8 @@ def instance_uses(uses: Uses, has_attribute: Callable[[str, str], bool]) -> None
             continue
         for cls in INSTANCE_CLASSES:
             if has_attribute(cls, name):
+                if f"{cls}.{name}" not in uses.chains:
+                    uses.from_instances.add(f"{cls}.{name}")
                 uses.add(f"{cls}.{name}", uses.attribute_where[name], keywords=keywords)
 
 
@@ -420,14 +423,17 @@ def resolve_uses(uses: Uses, resolver: Resolver, reference: Optional[Resolver] =
     return out
 
 
-def problems(uses: Uses, manifest: Dict[str, dict]) -> Tuple[List[str], List[str]]:
-    """(errors, notes): required uses absent in 2.11 or not in the manifest; optional ones absent (fallbacks)."""
+def problems(uses: Uses, manifest: Dict[str, dict], same_reference: bool = True) -> Tuple[List[str], List[str]]:
+    """(errors, notes): required uses absent in 2.11 or not in the manifest; optional ones absent (fallbacks).
+    ``same_reference``: the installed torch is the one the manifest was made with; otherwise the instance
+    methods it lists may differ (another torch's Tensor has other names) and those not listed are notes."""
     errors, notes = [], []
     for chain, use in sorted(uses.chains.items()):
         where = ", ".join(use["where"])
         entry = manifest.get(chain)
         if entry is None:
-            errors.append(f"{chain} ({where}) is not in {MANIFEST.name}: rerun with --download")
+            (errors if same_reference or chain not in uses.from_instances else notes).append(
+                f"{chain} ({where}) is not in {MANIFEST.name}: rerun with --download")
             continue
         if entry["status"] == "absent":
             (notes if use["optional"] else errors).append(
@@ -462,12 +468,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             reference = Resolver(Sources(Path(torch.__file__).parent))
             resolved = resolve_uses(uses, Resolver(Sources(wheel)), reference)
-        MANIFEST.write_text(json.dumps({"torch": TORCH_VERSION, "source": Path(wheel).name,
+        MANIFEST.write_text(json.dumps({"torch": TORCH_VERSION, "source": Path(wheel).name, "reference": torch.__version__,
                                         "generated_by": "python tools/torch_api_check.py --download",
                                         "uses": resolved}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {MANIFEST.relative_to(REPO)} ({len(resolved)} uses resolved in {Path(wheel).name})")
-    manifest = json.loads(MANIFEST.read_text())["uses"]
-    errors, notes = problems(uses, manifest)
+    import torch
+
+    saved = json.loads(MANIFEST.read_text())
+    manifest = saved["uses"]
+    errors, notes = problems(uses, manifest, same_reference=saved.get("reference") == torch.__version__)
     if args.verbose:
         for chain in sorted(uses.chains):
             print(f"  {manifest.get(chain, {}).get('status', 'not in manifest'):9s} {chain}")
