@@ -8,7 +8,9 @@ shards, reduce-scatter of gradients, all-reduce across replicas - each returning
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -113,6 +115,14 @@ class ShardGroup:
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
+        self.device: Optional[torch.device] = None  # the model's device (bind_device)
+        self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
+
+    def bind_device(self, device: torch.device) -> None:
+        """Run the norm's all-reduce and the object collectives on the model's device, not the current one."""
+        self.device = device
+        if device.type == "cuda":
+            _CUDA_DEVICE_OF_GROUP[self.world_group] = device
 
     @property
     def replica_index(self) -> int:
@@ -127,7 +137,7 @@ class ShardGroup:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True):
         """Gather every rank's ``shard`` into ``output`` (rank order)."""
         self.bytes_gathered += shard.numel() * shard.element_size()
-        if self.shard_size == 1:
+        if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(shard)
             return DONE
         if self.all_gather_via_p2p:
@@ -179,7 +189,7 @@ class ShardGroup:
         ``output`` must then be taken with :meth:`take_reduced_shard` after ``wait()``.
         """
         self.bytes_reduced += full.numel() * full.element_size()
-        if self.shard_size == 1:
+        if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
         if self.via_p2p:
@@ -195,7 +205,7 @@ class ShardGroup:
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """After a finished :meth:`reduce_scatter`: the reduced shard of this rank."""
-        if self.reduce_scatter_via_all_reduce and self.shard_size > 1:
+        if self.reduce_scatter_via_all_reduce:
             n = output.numel()
             output.copy_(full[self.shard_rank * n : (self.shard_rank + 1) * n])
         return output
@@ -243,6 +253,17 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
+# process group -> the CUDA device of the model sharded over it: the current device is cuda:0 where a script
+# moved its model to cuda:LOCAL_RANK without torch.cuda.set_device
+_CUDA_DEVICE_OF_GROUP: "weakref.WeakKeyDictionary[dist.ProcessGroup, torch.device]" = weakref.WeakKeyDictionary()
+
+
+def _on_model_device(group: dist.ProcessGroup) -> contextlib.AbstractContextManager:
+    """torch's object collectives and barrier use the current CUDA device: make it the model's."""
+    device = _CUDA_DEVICE_OF_GROUP.get(group)
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
 def _global_rank0(group: dist.ProcessGroup) -> int:
     return 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
 
@@ -252,7 +273,8 @@ def broadcast_object(group: Optional[dist.ProcessGroup], obj: Any) -> Any:
     if _size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank0(group), group=group)
+    with _on_model_device(group):
+        dist.broadcast_object_list(box, src=_global_rank0(group), group=group)
     return box[0]
 
 
@@ -261,7 +283,8 @@ def all_gather_object(group: Optional[dist.ProcessGroup], obj: Any) -> List[Any]
     if _size(group) == 1:
         return [obj]
     out: List[Any] = [None] * _size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _on_model_device(group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -274,7 +297,8 @@ def broadcast_tensor(group: Optional[dist.ProcessGroup], tensor: torch.Tensor) -
 
 def barrier(group: Optional[dist.ProcessGroup]) -> None:
     if _size(group) > 1:
-        dist.barrier(group=group)
+        with _on_model_device(group):
+            dist.barrier(group=group)
 
 
 def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseException],

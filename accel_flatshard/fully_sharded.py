@@ -286,6 +286,7 @@ class FullyShardedDataParallel(nn.Module):
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _target_device(module, self.shard_group, device_id)
         _check_device(device, self.shard_group, module)
+        self.shard_group.bind_device(device)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
         start_from_env(self.shard_group.world_rank)  # FLATSHARD_PROFILE: one torch.profiler per process

@@ -142,9 +142,11 @@ def unit_bytes(unit: Unit, master: bool = False) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory free now: the device's on CUDA, MemAvailable of the host otherwise."""
+    """Memory free now: on CUDA the device's free memory plus what the caching allocator holds unused,
+    MemAvailable of the host otherwise."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -194,9 +196,14 @@ class GenerationControl:
         return wrapper
 
     def budget(self) -> int:
-        if self.options.budget_bytes is not None:
-            return self.options.budget_bytes
-        return free_memory_bytes(self.wrapper._root.engine.device) // 2
+        """Collective: the smallest of every rank's budget (ranks that planned differently would issue different
+        gathers and ``synced_gpus``: a hang, or gathers matched to the wrong flat parameters)."""
+        wrapper = self.wrapper
+        mine = self.options.budget_bytes
+        if mine is None:
+            mine = free_memory_bytes(wrapper._root.engine.device) // 2
+        agreed = torch.tensor(mine, dtype=torch.int64, device=wrapper._root.engine.device)
+        return int(wrapper.shard_group.all_reduce_world(agreed, op=torch.distributed.ReduceOp.MIN).item())
 
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""

@@ -42,11 +42,9 @@ def clip_grad_norm_(
         if p.grad is None:
             continue
         (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
-    # the norm lives where the gradients (or, on a rank without any, the model: ``device``) are; never
-    # "the current CUDA device", which is cuda:0 when a script moved the model without set_device
-    device = next((g.device for g in sharded + replicated), device or torch.device("cpu"))
-    if group is not None and group.uses_nccl and not group.uses_gloo and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    # the norm is all-reduced on the model's device (``device``, else the group's): under offload the gradients
+    # are on the host, and "the current CUDA device" is cuda:0 when a script moved the model without set_device
+    device = device or (group.device if group is not None else None) or next((g.device for g in sharded + replicated), torch.device("cpu"))
     is_inf = norm_type == float("inf")
     local_sharded = _partial_norm(sharded, norm_type, device)
     local_replicated = _partial_norm(replicated, norm_type, device)

@@ -22,6 +22,7 @@ finds the unit unsharded (gathering if needed) and neither hooks outputs nor res
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
@@ -227,8 +228,13 @@ class Unit:
             self.root.prefetch_before(self)
 
     def _make_post_backward(self, flat: FlatParameter):
+        # weak: held from the tensor's C++ side, a reference to the unit (or flat) is a cycle gc cannot break
+        unit, index = weakref.ref(self), self.flat_params.index(flat)
+
         def hook(tensor: torch.Tensor) -> None:
-            self._post_backward(flat)
+            owner = unit()
+            if owner is not None:
+                owner._post_backward(owner.flat_params[index])
 
         return hook
 

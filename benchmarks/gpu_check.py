@@ -1,24 +1,33 @@
-"""CUDA checks of accel_flatshard (run by gpu_check.sh): W=1 parity + overlap, emulated W=8 memory, NCCL W>=2.
+"""CUDA checks of accel_flatshard (run part by part by gpu_check.sh; each part prints one verdict line).
 
     python benchmarks/gpu_check.py --part w1 --out DIR        # one GPU: parity + overlap at W=1
+    python benchmarks/gpu_check.py --part nccl-1gpu           # one GPU: the engine's real NCCL collectives
+    python benchmarks/gpu_check.py --part leak                # one GPU: a deleted wrapped model frees the device
     python benchmarks/gpu_check.py --part fake-w8 --out DIR   # one GPU: emulated W=8 memory vs FSDP2
     torchrun --nproc_per_node N benchmarks/gpu_check.py --part nccl   # N >= 2 GPUs: NCCL parity
-    python benchmarks/gpu_check.py --device cpu --part w1|fake-w8     # CPU smoke of the same code (tiny)
+    python benchmarks/gpu_check.py --device cpu --part w1 nccl-1gpu leak fake-w8   # CPU smoke (tiny)
 
 Part w1:
-1. Parity (fp32, TF32 off): GPT-2 and Llama, wrapped per block with several engine settings, train
-   AdamW steps next to the plain model; losses and final parameters must agree (W=1: same math).
+1. Parity (fp32, TF32 off): GPT-2 and Llama, wrapped per block with several engine settings (the default
+   prefetch schedule, no prefetch, no reshard, BACKWARD_POST with limit 1), train AdamW steps next to the
+   plain model; losses and final parameters must agree (W=1: same math).
 2. Mixed precision smoke: bf16 parameters, fp32 reduction: finite losses close to the fp32 run.
 3. Overlap: a larger Llama with forward and backward prefetch; at W=1 there is no real communication,
    so each all-gather / reduce-scatter is emulated on the engine's side streams by ``--comm-repeat``
    device copies of the full buffer.  torch.profiler records the kernels; reported: the fraction of
    side-stream (communication) time that overlaps compute-stream kernels, and the exposed
    communication = step time with emulated comm - step time without, against the comm time itself.
+Part nccl-1gpu (``gpu_check_nccl.py``): a 1-rank NCCL group with the W=1 shortcut off: the engine's
+   all-gathers, reduce-scatters and hybrid replica all-reduces are real NCCL calls on its side streams.
+Part leak (``leak``): wrapped models trained, generating, state-dict'ed (with and without offload) and
+   then deleted leave no device memory allocated and no live wrapper.
 Part fake-w8 (``fake_w8``): peak device memory while wrapping a host model (<= shards + one unit) and
    while training (<= shards + Adam + gathered units in flight + pending full gradients + activations),
-   and torch FSDP2's peak on the same model.
+   and torch FSDP2's peak on the same model (informational: its failure does not fail the part).
 Part nccl (``nccl_parity``): W >= 2 ranks on real NCCL vs the single-process run.
-Exit status 1 if a parity, memory bound or the overlap (< --min-overlap) fails.
+A part fails on a failed check or an exception (printed); the other parts of the same call still run.
+Adding a part: a function ``fn(args, device) -> bool`` in ``PARTS`` (with the process group it needs),
+and one ``part`` line in gpu_check.sh.
 """
 from __future__ import annotations
 
@@ -26,19 +35,27 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import os
-import socket
 import sys
 import time
+import traceback
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, transformer_auto_wrap_policy  # noqa: E402
+from accel_flatshard import (  # noqa: E402
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    transformer_auto_wrap_policy,
+)
 
 
 def small_model(family: str, seed: int = 0, layers: int = 3, hidden: int = 128, vocab: int = 1024,
@@ -76,10 +93,11 @@ def wrap(model, **kw):
 
 
 SETTINGS = {
-    "default": {},
+    "default (prefetch)": {},  # forward prefetch + BACKWARD_PRE: the defaults
+    "no-prefetch": {"forward_prefetch": False, "backward_prefetch": None},
     "no-reshard": {"reshard_after_forward": False},
-    "prefetch": {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE},
-    "prefetch-post-limit1": {"backward_prefetch": BackwardPrefetch.BACKWARD_POST, "limit_all_gathers": 1},
+    "post-limit1": {"forward_prefetch": False, "backward_prefetch": BackwardPrefetch.BACKWARD_POST,
+                    "limit_all_gathers": 1},
 }
 
 
@@ -317,27 +335,30 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
           f"root {_mib(root_bytes)}, {engine.max_inflight + 1} x layer {_mib(layer_bytes)}, "
           f"{engine.max_pending_reductions + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
           f"{'PASS' if good else 'FAIL'}; {ours_s * 1e3:.0f} ms/step", flush=True)
-    del wrapped, opt, host_model
+    del wrapped, opt, host_model, engine
 
-    # 3. torch FSDP2 on the same model
+    # 3. torch FSDP2 on the same model (informational: our checks above decide the verdict)
     try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    model = llama_1b(meta=True, **kw)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.to_empty(device=device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p.data, std=0.02) if p.is_floating_point() else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
-    peak_reset()
-    for _ in range(steps):
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    print(f"  FSDP2: peak max_memory_allocated {_mib(peak())} (same model, W={world} fake)", flush=True)
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard
+        model = llama_1b(meta=True, **kw)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device=device)
+        for p in model.parameters():
+            torch.nn.init.normal_(p.data, std=0.02) if p.is_floating_point() else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+        peak_reset()
+        for _ in range(steps):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        print(f"  FSDP2: peak max_memory_allocated {_mib(peak())} (same model, W={world} fake)", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  FSDP2: not measured ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
     return ok
 
 
@@ -377,13 +398,150 @@ def nccl_parity(steps: int, tol: float, cuda: bool = True) -> bool:
     return ok
 
 
+def leak(device, steps: int) -> bool:
+    """Wrapped models that trained, generated and gave a full state dict (with and without offload) are freed
+    by ``del``: no live wrapper or module, and (CUDA) memory_allocated back where it was before wrapping."""
+    cuda = device.type == "cuda"
+    ok = True
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 1024, (4, 64), generator=g).to(device) for _ in range(steps)]
+
+    def allocated() -> int:
+        gc.collect()
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+
+    # warm-up: what the first matmuls allocate for good (cuBLAS workspaces) must not count as a leak
+    plain = small_model("llama", layers=4, hidden=256).to(device)
+    train(plain, data[:1])
+    plain.generate(data[0][:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    del plain
+    for offload in (False, True):
+        before = allocated()
+        model = small_model("llama", layers=4, hidden=256).to(device)
+        wrapped = wrap(model, cpu_offload=CPUOffload(offload_params=offload))
+        shards = wrapped.sharded_bytes()
+        train(wrapped, data)
+        wrapped.module.generate(data[0][:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        wrapped.state_dict()
+        held = allocated() - before
+        refs = (weakref.ref(wrapped), weakref.ref(model))
+        del wrapped, model
+        left = allocated() - before
+        alive = [r() is not None for r in refs]
+        good = not any(alive) and left <= 2**20  # (a leak without offload holds at least its shards there)
+        ok &= good
+        print(f"  {'offload' if offload else 'plain':7s}: shards {_mib(shards)}; device memory held before del "
+              f"{_mib(held)}, after del {left} bytes; wrapper/module alive after del: {alive}: "
+              f"{'PASS' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+@contextlib.contextmanager
+def one_rank_group(device):
+    """A process group of this process alone: NCCL on CUDA (bound to ``device``), gloo on CPU."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=5), device_id=device if cuda else None)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_group(world: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _exact_math(device) -> None:
+    """W=1 parity: no TF32, deterministic kernels."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def part_w1(args, device) -> bool:
+    cuda = device.type == "cuda"
+    _exact_math(device)
+    with one_rank_group(device):
+        print("[w1 1/2] parity at W=1", flush=True)
+        ok = parity(device, args.steps, args.tol)
+        if cuda:
+            print("[w1 2/2] overlap (emulated communication on the side streams)", flush=True)
+            frac = overlap(device, args.out, args.comm_repeat, args.steps)
+            good = frac >= args.min_overlap
+            print(f"  overlap {frac:.2f} >= {args.min_overlap}: {'PASS' if good else 'FAIL'}", flush=True)
+            ok &= good
+    return ok
+
+
+def part_nccl_1gpu(args, device) -> bool:
+    import gpu_check_nccl
+
+    _exact_math(device)
+    with one_rank_group(device):
+        return gpu_check_nccl.nccl_one_gpu(sys.modules[__name__], device, args.steps, args.tol)
+
+
+def part_leak(args, device) -> bool:
+    with one_rank_group(device):
+        return leak(device, 2)
+
+
+def part_fake_w8(args, device) -> bool:
+    cuda = device.type == "cuda"
+    with fake_group(args.world):
+        return fake_w8(device, args.world, 3 if cuda else 1, args.batch if cuda else 1, args.seq if cuda else 16,
+                       small=not cuda)
+
+
+def part_nccl(args, device) -> bool:
+    """Launched by torchrun (W >= 2)."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    try:
+        return nccl_parity(args.steps, args.tol if cuda else 1e-4, cuda)  # W>=2: other summation order
+    finally:
+        dist.destroy_process_group()
+
+
+# name -> fn(args, device) -> bool; gpu_check.sh runs each in its own process (see "Adding a part" above)
+PARTS = {"w1": part_w1, "nccl-1gpu": part_nccl_1gpu, "leak": part_leak, "fake-w8": part_fake_w8, "nccl": part_nccl}
+
+
+def run_part(name: str, args, device) -> bool:
+    """One part, guarded: an exception is printed and fails this part only; one verdict line."""
+    t0 = time.perf_counter()
+    try:
+        ok = bool(PARTS[name](args, device))
+    except Exception:  # noqa: BLE001 - reported, and the next part still runs
+        traceback.print_exc()
+        ok = False
+    if dist.is_initialized():  # (a part that raised inside its group)
+        dist.destroy_process_group()
+    if name != "nccl" or int(os.environ.get("RANK", 0)) == 0:
+        print(f"gpu_check {name}: {'PASS' if ok else 'FAIL'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["w1", "fake-w8", "nccl"], default="w1")
+    p.add_argument("--part", nargs="+", choices=list(PARTS), default=["w1"])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: smoke run of the same code on gloo / the fake process group, tiny sizes")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5 cuda, 2 cpu)")
     p.add_argument("--tol", type=float, default=None, help="parity tolerance (default 1e-4 cuda, 1e-6 cpu)")
     p.add_argument("--comm-repeat", type=int, default=8)
     p.add_argument("--min-overlap", type=float, default=0.5)
@@ -396,60 +554,15 @@ def main() -> int:
     if cuda and not torch.cuda.is_available():
         print("CUDA is not available", file=sys.stderr)
         return 2
-    tol = args.tol if args.tol is not None else (1e-4 if cuda else 1e-6)
-    if args.part == "nccl":  # launched by torchrun
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-        try:
-            ok = nccl_parity(args.steps, args.tol if args.tol is not None else 1e-4, cuda)  # W>=2: other summation order
-        finally:
-            dist.destroy_process_group()
-        print("gpu_check nccl:", "PASS" if ok else "FAIL", flush=True)
-        return 0 if ok else 1
-    if args.part == "fake-w8":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
-        try:
-            ok = fake_w8(device, args.world, 3 if cuda else 1, args.batch if cuda else 1, args.seq if cuda else 16,
-                         small=not cuda)
-        finally:
-            dist.destroy_process_group()
-        print("gpu_check fake-w8:", "PASS" if ok else "FAIL", flush=True)
-        return 0 if ok else 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args.tol = args.tol if args.tol is not None else (1e-4 if cuda else 1e-6)
+    args.steps = args.steps if args.steps is not None else (5 if cuda else 2)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
+    if cuda and args.part != ["nccl"]:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"nccl {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=5),
-                            device_id=device if cuda else None)
-    ok = True
-    try:
-        print("[w1 1/2] parity at W=1", flush=True)
-        ok &= parity(device, args.steps, tol)
-        if cuda:
-            print("[w1 2/2] overlap (emulated communication on the side streams)", flush=True)
-            frac = overlap(device, args.out, args.comm_repeat, args.steps)
-            if frac < args.min_overlap:
-                print(f"  FAIL: overlap {frac:.2f} < {args.min_overlap}", flush=True)
-                ok = False
-            else:
-                print("  PASS", flush=True)
-    finally:
-        dist.destroy_process_group()
-    print("gpu_check w1:", "PASS" if ok else "FAIL", flush=True)
-    return 0 if ok else 1
+    results = [run_part(name, args, device) for name in args.part]
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# CUDA check of accel_flatshard, one command, ~6 minutes of one GPU (more GPUs: adds NCCL parity at W>=2):
-#   1. W=1 on real CUDA streams (NCCL): parity with a single-process run (GPT-2 / Llama, 4 engine settings,
-#      fp32 + bf16 smoke) and a profiler trace showing all-gathers / reduce-scatters (emulated at W=1 by
-#      device copies on the engine's side streams) overlapping compute kernels        -> gpu_check.py --part w1
-#   2. emulated W=8 (torch's fake process group) on a ~1.1 B Llama: device peak while wrapping a host model
-#      <= shards + one unit; training peak max_memory_allocated <= analytical bound; torch FSDP2's peak on the
-#      same model printed next to it                                                  -> gpu_check.py --part fake-w8
-#   3. CPU offload (fsdp_offload_params): W=1 on real streams: parity with the plain model (host AdamW step),
-#      bf16 and accumulation vs no offload, nothing persistent on the device, device peak <= bound; host vs
-#      device AdamW step time; emulated W=8 on the 1.1B Llama: device peak vs the bound, vs FSDP2 with
-#      CPUOffloadPolicy                                      -> gpu_check_offload.py --part w1 / --part fake-w8
-#   4. only with 2+ GPUs: NCCL parity at W = min(#GPUs, 4) vs the single-process run, models placed with
-#      .to(cuda:LOCAL_RANK) and no torch.cuda.set_device, CPU inputs                  -> gpu_check.py --part nccl
+# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 450 s) of parts plus
+# about 10 s of start-up: under 8 minutes, inside a 600 s command limit.  Each part runs in its own process under
+# its own timeout (the 1-GPU timeouts add up to the budget; a part gets at most what is left of it) and prints one
+# verdict line; one failing, hanging or crashing part does not hide the others.  A summary table ends the output.
+#   nccl-1gpu  a 1-rank NCCL group with the W=1 shortcut off: the engine's all-gathers, reduce-scatters and hybrid
+#              replica all-reduces are real NCCL calls (async_op=False inside its side streams; all_gather_into_tensor
+#              / reduce_scatter_tensor on torch 2.11), counted and checked to run on their side streams; losses and
+#              parameters vs a single-process run and vs the W=1 copy path (prefetch, no-prefetch, hybrid, bf16)
+#   w1         W=1 on real CUDA streams: parity with a single-process run (GPT-2 / Llama; the default prefetch
+#              schedule, no prefetch, no reshard, BACKWARD_POST + limit 1; fp32 and a bf16 smoke) and a profiler
+#              trace of all-gathers / reduce-scatters (emulated by device copies on the side streams) overlapping
+#              compute kernels
+#   leak       wrapped models (trained, generating, state-dict'ed; with and without offload) deleted: device
+#              memory_allocated back to its value before wrapping, wrapper and module collected
+#   offload-w1 CPU offload W=1: parity with the plain model (host AdamW), bf16 and accumulation vs no offload,
+#              nothing persistent on the device, device peak <= bound; host vs device AdamW step time
+#   fake-w8    emulated W=8 (torch's fake process group) on a ~1.1 B Llama: device peak while wrapping a host model
+#              <= shards + one unit; training peak <= analytical bound; torch FSDP2's peak printed next to it
+#   offload-fake-w8  the same with offload: device peak vs the bound, vs FSDP2 with CPUOffloadPolicy
+#   nccl       only with 2+ GPUs: NCCL parity at W = min(#GPUs, 4) vs the single-process run, models placed with
+#              .to(cuda:LOCAL_RANK) and no torch.cuda.set_device, CPU inputs
+#   planner, compile   placeholders for issues 24 / 25 (they replace the `todo` lines with `part` lines)
+# Adding a part: one `part NAME TIMEOUT_S COMMAND...` line below; PASS is exit status 0; output in $OUT/NAME.log.
 # Usage: bash benchmarks/gpu_check.sh            (logs and the trace in $OUT, default ./gpu_check_out)
 # Python: $PYTHON, else .venv/bin/python if its torch sees CUDA, else python3 (needs torch+CUDA, transformers).
-# CPU smoke of the same code paths (no GPU): python benchmarks/gpu_check.py --device cpu --part w1|fake-w8
-#   (and benchmarks/gpu_check_offload.py --device cpu --part w1|fake-w8)
+# CPU smoke of this script and the same code paths, tiny sizes (tests/test_gpu_check_smoke.py):
+#   GPU_CHECK_DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -26,23 +36,51 @@ else PY=python3; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PYTHONWARNINGS=ignore::FutureWarning,ignore::UserWarning
-"$PY" -c "import torch, transformers; print('python', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__)" || exit 2
+"$PY" -c "import torch, transformers, accelerate; print('python', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || exit 2
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+DEV=()
+[ -n "${GPU_CHECK_DEVICE:-}" ] && DEV=(--device "$GPU_CHECK_DEVICE")
+DEADLINE=$(( SECONDS + ${GPU_CHECK_BUDGET_S:-450} ))
+SUMMARY=()
 status=0
-echo "== [1/4] W=1, real CUDA streams: parity + overlap trace"
-timeout 150 "$PY" benchmarks/gpu_check.py --part w1 --out "$OUT" 2>&1 | tee "$OUT/w1.log" || status=1
-echo "== [2/4] emulated W=8 (fake process group), Llama ~1.1B: memory bound, vs FSDP2"
-timeout 150 "$PY" benchmarks/gpu_check.py --part fake-w8 --out "$OUT" 2>&1 | tee "$OUT/fake_w8.log" || status=1
-echo "== [3/4] CPU offload: W=1 real streams (parity, placement, peak), emulated W=8 1.1B (bound, vs FSDP2)"
-timeout 100 "$PY" benchmarks/gpu_check_offload.py --part w1 --out "$OUT" 2>&1 | tee "$OUT/offload_w1.log" || status=1
-timeout 150 "$PY" benchmarks/gpu_check_offload.py --part fake-w8 --out "$OUT" 2>&1 | tee "$OUT/offload_fake_w8.log" || status=1
+
+part() {  # part NAME TIMEOUT_S COMMAND...: run it guarded, one verdict line
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - SECONDS ))
+  if [ "$left" -lt "${GPU_CHECK_MIN_PART_S:-20}" ]; then
+    SUMMARY+=("$(printf '%-16s SKIP (budget spent)' "$name")"); status=1; return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (timeout ${limit} s)"
+  local t0=$SECONDS rc
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  cat "$OUT/$name.log"
+  local verdict=PASS
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAIL (timeout after ${limit} s)"
+  elif [ $rc -ne 0 ]; then verdict="FAIL (exit $rc)"; fi
+  [ "$verdict" = PASS ] || status=1
+  SUMMARY+=("$(printf '%-16s %s (%d s)' "$name" "$verdict" $(( SECONDS - t0 )))")
+  echo "-- $name: $verdict"
+}
+todo() { SUMMARY+=("$(printf '%-16s NOT YET (%s)' "$1" "$2")"); }
+
+# ---- the parts (1 GPU: timeouts add up to 450 s); most informative first
+part nccl-1gpu       60 "$PY" benchmarks/gpu_check.py --part nccl-1gpu ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+part w1              90 "$PY" benchmarks/gpu_check.py --part w1 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+part leak            40 "$PY" benchmarks/gpu_check.py --part leak ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+part offload-w1      70 "$PY" benchmarks/gpu_check_offload.py --part w1 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+part fake-w8         95 "$PY" benchmarks/gpu_check.py --part fake-w8 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+part offload-fake-w8 95 "$PY" benchmarks/gpu_check_offload.py --part fake-w8 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+todo planner "issue 24 adds: part planner TIMEOUT_S \"\$PY\" benchmarks/gpu_check.py --part planner"
+todo compile "issue 25 adds: part compile TIMEOUT_S \"\$PY\" benchmarks/gpu_check.py --part compile"
 if [ "$GPUS" -ge 2 ]; then
   W=$(( GPUS < 4 ? GPUS : 4 ))
-  echo "== [4/4] NCCL parity at W=$W"
-  timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" benchmarks/gpu_check.py --part nccl \
-      --out "$OUT" 2>&1 | tee "$OUT/nccl.log" || status=1
+  part nccl 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" benchmarks/gpu_check.py --part nccl \
+      --out "$OUT"
 else
-  echo "== [4/4] NCCL parity at W>=2: skipped (1 GPU)"
+  SUMMARY+=("$(printf '%-16s SKIP (1 GPU: NCCL parity at W>=2 needs 2+)' nccl)")
 fi
+echo "== summary ($SECONDS s)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 echo "gpu_check.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL) (logs in $OUT)"
 exit $status

@@ -1,24 +1,51 @@
-"""benchmarks/gpu_check.py, the one-command GPU check, runs its CPU smoke mode here so it cannot rot
-between the tasks that are lent a GPU: the same code paths (W=1 parity over the engine settings, the
-emulated W=8 memory bounds on torch's fake process group) at tiny size on the CPU."""
+"""benchmarks/gpu_check.sh, the one command a lent GPU runs, runs here on the CPU so it cannot rot between the
+tasks that are lent a GPU: the script itself (parts, timeouts, budget, summary) and every part's code path at
+tiny size (GPU_CHECK_DEVICE=cpu: gloo and torch's fake process group instead of NCCL)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
+ONE_GPU_PARTS = ("nccl-1gpu", "w1", "leak", "offload-w1", "fake-w8", "offload-fake-w8")
 
 
-@pytest.mark.parametrize("script, part", [("gpu_check.py", "w1"), ("gpu_check.py", "fake-w8"),
-                                          ("gpu_check_offload.py", "w1"), ("gpu_check_offload.py", "fake-w8")])
-def test_gpu_check_cpu_smoke_passes(script, part, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--device", "cpu",
-                           "--part", part, "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    label = "gpu_check offload" if script == "gpu_check_offload.py" else "gpu_check"
-    assert f"{label} {part}: PASS" in proc.stdout
+def _run_script(tmp_path, **env):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1", **env)
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+def _summary(tmp_path):
+    return {line.split()[0]: line.split(None, 1)[1] for line in (tmp_path / "out" / "summary.txt").read_text().splitlines()}
+
+
+def test_gpu_check_sh_cpu_smoke_passes(tmp_path):
+    proc = _run_script(tmp_path, GPU_CHECK_DEVICE="cpu", PYTHON=sys.executable)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = _summary(tmp_path)
+    for part in ONE_GPU_PARTS:
+        assert summary[part].startswith("PASS"), (part, summary)
+    assert summary["planner"].startswith("NOT YET") and summary["compile"].startswith("NOT YET")
+    assert "gpu_check nccl-1gpu: PASS" in proc.stdout and "gpu_check.sh: PASS" in proc.stdout
+
+
+def test_gpu_check_sh_guards_each_part(tmp_path):
+    """A failing part and a hanging one (killed at what is left of the budget) do not hide the others'
+    verdicts; parts beyond the budget are reported as skipped; the script fails."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    'case "$*" in\n'
+                    '  -c*) echo 1 ;;\n'  # the version line and the GPU count
+                    '  *"--part nccl-1gpu"*) echo "gpu_check nccl-1gpu: FAIL"; exit 1 ;;\n'
+                    '  *"--part w1"*) exec sleep 60 ;;\n'
+                    '  *) echo ok ;;\n'
+                    "esac\n")
+    stub.chmod(0o755)
+    proc = _run_script(tmp_path, PYTHON=str(stub), GPU_CHECK_BUDGET_S="6", GPU_CHECK_MIN_PART_S="2")
+    summary = _summary(tmp_path)
+    assert proc.returncode == 1
+    assert summary["nccl-1gpu"].startswith("FAIL (exit 1)")
+    assert summary["w1"].startswith("FAIL (timeout after")
+    assert all(summary[p].startswith("SKIP (budget spent)") for p in ONE_GPU_PARTS[2:]), summary
+    assert "gpu_check.sh: FAIL" in proc.stdout
