@@ -94,17 +94,21 @@ class Engine:
         self._free_events: Deque[Any] = collections.deque()
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
+        self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
         self.offload: Optional[HostOffload] = HostOffload(self.streams) if offload else None
 
     # ------------------------------------------------------------------ all-gather
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
         self.streams.wait_stream(self.all_gather_stream, self.streams.compute_stream())
+        self._shards_written = False
 
     def unshard(self, flat: FlatParameter, label: str = "") -> None:
         """Start gathering ``flat`` unless it is unsharded or already being gathered."""
         if flat in self._gathers or flat.is_unsharded:
             return
+        if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
+            self.begin_step()
         while len(self._gather_order) >= self.max_inflight:
             self.wait_unshard(self._gather_order[0])
         self._wait_for_freed_buffers()
@@ -267,8 +271,6 @@ class Engine:
                     self._copy_grad_to_host(r)
                 elif r.copied is not None:
                     s.synchronize(r.copied)
-            # the host optimizer writes the shards next: no copy to the device may still read them
-            s.synchronize(s.record(self.all_gather_stream))
         for r in done:
             r.flat.accumulate_sharded_grad(r.host_grad)
 
@@ -280,9 +282,11 @@ class Engine:
         done, self._reduced = self._reduced, []
         for r in pending:
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
-        for r in done:
+        for r in pending + done:  # (on CUDA the replica all-reduce of a pending one is issued too)
             if r.replicas is not None:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+                if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
+                    self.streams.record_stream(r.shard_out, self.replica_stream)
         for r in pending + done:
             if r.copied is not None:  # offload: its copy still writes the host buffer
                 self.streams.synchronize(r.copied)
@@ -291,10 +295,13 @@ class Engine:
         return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
-        """Finish everything outstanding (used before reading state outside the training loop)."""
+        """Finish everything outstanding before code outside the training step reads or writes the shards."""
         for flat in list(self._gathers):
             self.wait_unshard(flat)
         self.finish_reduces()
+        if self.offload is not None:
+            self.offload.wait_for_host_to_device_copies()
+        self._shards_written = True
 
 
 def _wait(handle, what: str, group: ShardGroup) -> None:
