@@ -141,10 +141,6 @@ class Engine:
         with span("wait_all_gather", issued_label):
             _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
 
-    def unshard_now(self, flat: FlatParameter, label: str = "") -> None:
-        self.unshard(flat, label)
-        self.wait_unshard(flat, label)
-
     def reshard(self, flat: FlatParameter) -> None:
         """Free the unsharded buffer once every reader is done with it."""
         if flat in self._gathers:
@@ -275,9 +271,9 @@ class Engine:
             r.flat.accumulate_sharded_grad(r.host_grad)
 
     def drain_discarding_reductions(self) -> None:
-        """Wait for outstanding collectives without using their results (after an aborted backward)."""
-        for flat in list(self._gathers):
-            self.wait_unshard(flat)
+        """Wait for outstanding reductions without using their results (after an aborted backward).  The
+        reshards that follow wait for gathers in flight; an offload copy into a host buffer may still run:
+        the next copy into it is on the same stream, and the host reads it after the next backward's."""
         pending, self._reduces = list(self._reduces), collections.deque()
         done, self._reduced = self._reduced, []
         for r in pending:
@@ -286,19 +282,16 @@ class Engine:
             if r.replicas is not None:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
                 if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
-                    self.streams.record_stream(r.shard_out, self.replica_stream)
-        for r in pending + done:
-            if r.copied is not None:  # offload: its copy still writes the host buffer
-                self.streams.synchronize(r.copied)
+                    self.streams.record_stream(r.shard_out, self.streams.compute_stream())
 
     def has_pending(self) -> bool:
         return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
-        """Finish everything outstanding before code outside the training step reads or writes the shards."""
+        """Finish the gathers in flight before code outside the training step reads or writes the shards
+        (reductions are finished at the end of every backward)."""
         for flat in list(self._gathers):
             self.wait_unshard(flat)
-        self.finish_reduces()
         if self.offload is not None:
             self.offload.wait_for_host_to_device_copies()
         self._shards_written = True

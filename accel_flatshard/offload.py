@@ -19,7 +19,8 @@ streams through the device adapter (``streams.py``: ``to_device`` / ``to_host`` 
 2. compute;
 3. reduce-scatter (reduce-scatter stream), post-divide, cast to the shard dtype, device -> host into this
    module's target buffer on the same stream (the replica stream under hybrid sharding);
-4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers.
+4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers; before
+   an optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
 
 On a CPU device the host *is* the device: the copies are no-ops or host copies and nothing is pinned.
 """
@@ -87,9 +88,8 @@ class HostOffload:
             p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
 
     def wait_for_host_to_device_copies(self) -> None:
-        """Before the host writes the host shards: the copies to the device issued so far (all-gather
-        stream) have read them.  At the end of a reducing backward the host knows that already; after an
-        evaluation forward, a frozen model's forwards or a ``no_sync`` micro-step it does not."""
+        """Before the host writes the host shards: the copies to the device issued so far have read them
+        (known after a reducing backward, not after an eval forward or a ``no_sync`` micro-step)."""
         s = self.streams
         s.synchronize(s.record(s.side_stream("all_gather")))
 
@@ -118,8 +118,7 @@ _LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
 
 
 def _wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Any optimizer step may write offloaded shards on the host (and TRL's ``sync_ref_model`` writes a
-    reference model's after it): no copy to the device may still read them."""
+    """Any step may write offloaded shards on the host (TRL's ``sync_ref_model`` writes a reference's after it)."""
     for offload in list(_LIVE):
         offload.wait_for_host_to_device_copies()
 

@@ -55,6 +55,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -69,6 +70,17 @@ _C10D_WRITES = {
     "c10d::reduce_scatter_tensor_coalesced_": {0}, "c10d::allreduce_": {0}, "c10d::broadcast_": {0},
     "c10d::recv_": {0}, "c10d::send": set(), "c10d::barrier": set(),
 }
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a simulated test (restored after): the simulator runs thousands of tiny ops,
+    and on a loaded 2-core machine two OpenMP threads spin for each (3 us per op on one thread, 500 us
+    measured on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class SimStream:
