@@ -447,13 +447,13 @@ def summary(rows: Sequence[Row]) -> Tuple[str, List[Row]]:
     return "\n".join(lines), bad
 
 
-REPRESENTATIVE = ("engine.py::Engine.begin_step::wait_stream#0", "streams.py::CudaStreams.record_stream::record_stream#0",
-                  "tests/test_streams.py::test_simulated_cuda_schedule_trains_exactly_like_the_plain_model")
+REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "streams.py::CudaStreams.record_stream::record_stream#0",
+                  "tests/test_streams.py::test_fp16_gradients_are_divided_before_and_after_the_sum[8-30720.0-cuda]")
 
 
 def representative() -> int:
-    """Two rows on one fast test, without the coverage run: the all-gather stream not waiting for the
-    optimizer must be caught; a break of code the simulator never runs must survive (the runner reports
+    """Two rows on one fast test, without the coverage run: the reduce-scatter stream not waiting for the
+    gradient must be caught; a break of code the simulator never runs must survive (the runner reports
     only real failures)."""
     _one_thread()
     import transformers.models.llama.modeling_llama  # noqa: F401
