@@ -26,7 +26,9 @@ Model
   keeps the block reserved until the host has seen that stream pass the free (``peak`` counts such
   buffers as alive).
 * Labels: the engine's ``note_alloc(tensor, kind)`` names buffers ("unsharded", "full_grad"); ``peak[kind]``
-  is the most buffers of a kind alive at once.
+  is the most buffers of a kind alive at once.  A violation names the tensor (a watched model's shard,
+  gradient or gathered buffer: ``local_shard of model.layers.1[0]``; or ``sim.name(tensor, label)``), the
+  streams (side streams by role: ``all_gather:side0``; ``host``) and the op (``aten::add_``).
 
 Host memory and copies (for CPU offload)
 ----------------------------------------
@@ -44,7 +46,8 @@ CPU offload: ``SimCudaStreams`` makes the adapter's ``host_empty`` buffers pinne
 ``to_device`` / ``to_host`` copies ops of the current stream (the copy reads one side, writes the other);
 :func:`simulate_cuda` declares an offloaded model's existing host shards pinned host memory.
 
-Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path.
+Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path (several models may
+share one simulator; :class:`IdenticalReplicas` gives the engine hybrid sharding in one process).
 """
 from __future__ import annotations
 
