@@ -47,7 +47,7 @@ CPU offload: ``SimCudaStreams`` makes the adapter's ``host_empty`` buffers pinne
 :func:`simulate_cuda` declares an offloaded model's existing host shards pinned host memory.
 
 Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path (several models may
-share one simulator; :class:`IdenticalReplicas` gives the engine hybrid sharding in one process).
+share one simulator; ``group=`` gives the engine a stand-in shard group, e.g. hybrid sharding in one process).
 """
 from __future__ import annotations
 
@@ -554,8 +554,8 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
 
     The engine is rebuilt with the same settings and the simulated adapter; a setting that would not carry
     over (a new ``Engine`` argument this helper does not pass) is reported, not silently dropped.
-    ``group``: a stand-in for the engine's shard group (e.g. :class:`IdenticalReplicas`: hybrid sharding in
-    one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
+    ``group``: a stand-in for the engine's shard group (e.g. ``test_sim_paths.IdenticalReplicas``: hybrid
+    sharding in one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
     on a GPU).  Run the model inside ``with sim:`` so that its ops are observed."""
     sim = sim or SimulatedCuda(device_index, current_device)
     root = model._root
@@ -581,35 +581,6 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     root.engine = new
     sim.watch(model)
     return sim
-
-
-class IdenticalReplicas:
-    """The engine's view of hybrid sharding over ``replicas`` identical copies of a one-process shard group.
-
-    Every replica holds the same gradient, so the all-reduce across replicas multiplies by ``replicas``
-    (in place, as NCCL writes its buffer) and the averaged gradients equal the single process's: a whole
-    wrapped model runs the hybrid schedule (replica stream, chained events) in one process and must train
-    exactly like the plain model.  Everything else is the real group's."""
-
-    def __init__(self, group: Any, replicas: int = 2) -> None:
-        self._group, self.replicas = group, replicas
-        self.world_size = group.world_size * replicas
-        self.is_hybrid = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._group, name)
-
-    def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True) -> Any:
-        tensor.mul_(self.replicas)
-        return _DONE
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -6,7 +6,7 @@ must be equal.  Variants of the schedule:
 
 * ``plain``: sharded, one process;
 * ``offload``: CPU offload (pinned host shards and gradients, the optimizer on the host);
-* ``hybrid``: hybrid sharding over two identical replicas (``sim_cuda.IdenticalReplicas``): the replica
+* ``hybrid``: hybrid sharding over two identical replicas (:class:`IdenticalReplicas`): the replica
   all-reduce on its own stream, chained to the reduce-scatter's event.
 
 A value read on the host (``.item()``) makes the host wait for the GPU and would hide a missing wait, so
@@ -30,7 +30,7 @@ from accel_flatshard.checkpoint import (full_optim_state_dict, full_state_dict, 
 from accel_flatshard.generation import (control_of, peak_held_bytes, set_generation_options,
                                         trl_generation_context, trl_summon_full_params)
 from models import batches, llama, llama_layer_class
-from sim_cuda import IdenticalReplicas, one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
+from sim_cuda import one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
 pytestmark = pytest.mark.usefixtures("world_of_one", "one_thread")
 
@@ -38,6 +38,32 @@ GENERATE = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_
 
 
 # ---------------------------------------------------------------------- harness
+class IdenticalReplicas:
+    """The engine's view of hybrid sharding over ``replicas`` identical copies of a one-process shard group.
+
+    Every replica holds the same gradient, so the all-reduce across replicas multiplies by ``replicas``
+    (in place, as NCCL writes its buffer) and the averaged gradients equal the single process's: a whole
+    wrapped model runs the hybrid schedule (replica stream, chained events) in one process and must train
+    exactly like the plain model.  Everything else is the real group's."""
+
+    def __init__(self, group, replicas=2):
+        self._group, self.replicas = group, replicas
+        self.world_size = group.world_size * replicas
+        self.is_hybrid = True
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+    def all_reduce_replicas(self, tensor, async_op=True):
+        tensor.mul_(self.replicas)
+        return _Done()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
 class Run:
     """What a scenario knows of its run: ``name`` ("reference" or "simulated"), a directory ``tmp`` of its
     own (the same on every rank), and ``host(tree)``, which declares the tensors of ``tree`` host memory
