@@ -94,17 +94,21 @@ class Engine:
         self._free_events: Deque[Any] = collections.deque()
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
+        self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
         self.offload: Optional[HostOffload] = HostOffload(self.streams) if offload else None
 
     # ------------------------------------------------------------------ all-gather
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
         self.streams.wait_stream(self.all_gather_stream, self.streams.compute_stream())
+        self._shards_written = False
 
     def unshard(self, flat: FlatParameter, label: str = "") -> None:
         """Start gathering ``flat`` unless it is unsharded or already being gathered."""
         if flat in self._gathers or flat.is_unsharded:
             return
+        if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
+            self.begin_step()
         while len(self._gather_order) >= self.max_inflight:
             self.wait_unshard(self._gather_order[0])
         self._wait_for_freed_buffers()
@@ -136,10 +140,6 @@ class Engine:
         self._gather_order.remove(flat)
         with span("wait_all_gather", issued_label):
             _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
-
-    def unshard_now(self, flat: FlatParameter, label: str = "") -> None:
-        self.unshard(flat, label)
-        self.wait_unshard(flat, label)
 
     def reshard(self, flat: FlatParameter) -> None:
         """Free the unsharded buffer once every reader is done with it."""
@@ -267,34 +267,34 @@ class Engine:
                     self._copy_grad_to_host(r)
                 elif r.copied is not None:
                     s.synchronize(r.copied)
-            # the host optimizer writes the shards next: no copy to the device may still read them
-            s.synchronize(s.record(self.all_gather_stream))
         for r in done:
             r.flat.accumulate_sharded_grad(r.host_grad)
 
     def drain_discarding_reductions(self) -> None:
-        """Wait for outstanding collectives without using their results (after an aborted backward)."""
-        for flat in list(self._gathers):
-            self.wait_unshard(flat)
+        """Wait for outstanding reductions without using their results (after an aborted backward).  The
+        reshards that follow wait for gathers in flight; an offload copy into a host buffer may still run:
+        the next copy into it is on the same stream, and the host reads it after the next backward's."""
         pending, self._reduces = list(self._reduces), collections.deque()
         done, self._reduced = self._reduced, []
         for r in pending:
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
-        for r in done:
+        for r in pending + done:  # (on CUDA the replica all-reduce of a pending one is issued too)
             if r.replicas is not None:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
-        for r in pending + done:
-            if r.copied is not None:  # offload: its copy still writes the host buffer
-                self.streams.synchronize(r.copied)
+                if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
+                    self.streams.record_stream(r.shard_out, self.streams.compute_stream())
 
     def has_pending(self) -> bool:
         return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
-        """Finish everything outstanding (used before reading state outside the training loop)."""
+        """Finish the gathers in flight before code outside the training step reads or writes the shards
+        (reductions are finished at the end of every backward)."""
         for flat in list(self._gathers):
             self.wait_unshard(flat)
-        self.finish_reduces()
+        if self.offload is not None:
+            self.offload.wait_for_host_to_device_copies()
+        self._shards_written = True
 
 
 def _wait(handle, what: str, group: ShardGroup) -> None:

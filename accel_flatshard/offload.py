@@ -19,13 +19,15 @@ streams through the device adapter (``streams.py``: ``to_device`` / ``to_host`` 
 2. compute;
 3. reduce-scatter (reduce-scatter stream), post-divide, cast to the shard dtype, device -> host into this
    module's target buffer on the same stream (the replica stream under hybrid sharding);
-4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers.
+4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers; before
+   an optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
 
 On a CPU device the host *is* the device: the copies are no-ops or host copies and nothing is pinned.
 """
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
@@ -67,6 +69,7 @@ class HostOffload:
         self._staging: Dict[FlatParameter, torch.Tensor] = {}
         # every host buffer allocated (all persistent: reused, never freed while the model lives)
         self.host_buffers: List[torch.Tensor] = []
+        _LIVE.add(self)
 
     @property
     def pinned_allocations(self) -> int:
@@ -83,6 +86,12 @@ class HostOffload:
         flat.keep_grad_buffer = True
         for p in flat.params:
             p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
+
+    def wait_for_host_to_device_copies(self) -> None:
+        """Before the host writes the host shards: the copies to the device issued so far have read them
+        (known after a reducing backward, not after an eval forward or a ``no_sync`` micro-step)."""
+        s = self.streams
+        s.synchronize(s.record(s.side_stream("all_gather")))
 
     def shard_on_device(self, flat: FlatParameter) -> torch.Tensor:
         """A device copy of the host shard, issued on the current (all-gather) stream."""
@@ -105,6 +114,15 @@ class HostOffload:
 
 
 # ---------------------------------------------------------------------- the host optimizer step
+_LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
+
+
+def _wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Any step may write offloaded shards on the host (TRL's ``sync_ref_model`` writes a reference's after it)."""
+    for offload in list(_LIVE):
+        offload.wait_for_host_to_device_copies()
+
+
 # Measured (benchmarks/offload_adamw.py, 40M parameters, 2 CPU threads, torch 2.13): AdamW for-loop 49 ms,
 # foreach 54 ms, fused 12.7 ms per step; fused differs from the for-loop by at most 6 ulps where
 # |p| >= 1e-3 (2.4e-7 absolute).  torch picks the for-loop for CPU tensors unless told otherwise.
@@ -134,3 +152,4 @@ def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs:
 
 
 register_optimizer_step_pre_hook(_prefer_fused_host_adam)
+register_optimizer_step_pre_hook(_wait_for_copies_before_step)

@@ -21,11 +21,14 @@ Model
 * Checks (``sim.violations``): a read on one stream of a storage whose last write on another stream does
   not happen-before it (read after write); a write that does not happen after the last reads and write on
   other streams (write after read / write); a free (storage death, or the engine's ``note_free`` of a
-  resized storage) while a stream other than the allocating one may still use it and was not registered
-  with ``record_stream``; ``record_stream`` keeps the block reserved until the host has seen that stream
-  pass the free (``peak`` counts such buffers as alive).
+  resized storage) while a stream other than the allocating one may still use it, unless the allocating
+  stream, the host or a stream registered with ``record_stream`` knows that use is done; ``record_stream``
+  keeps the block reserved until the host has seen that stream pass the free (``peak`` counts such
+  buffers as alive).
 * Labels: the engine's ``note_alloc(tensor, kind)`` names buffers ("unsharded", "full_grad"); ``peak[kind]``
-  is the most buffers of a kind alive at once.
+  is the most buffers of a kind alive at once.  A violation names the tensor (a watched model's shard,
+  gradient or gathered buffer: ``local_shard of model.layers.1[0]``; or ``sim.name(tensor, label)``), the
+  streams (side streams by role: ``all_gather:side0``; ``host``) and the op (``aten::add_``).
 
 Host memory and copies (for CPU offload)
 ----------------------------------------
@@ -34,7 +37,8 @@ Every storage has a placement, ``"device"`` unless declared otherwise with :meth
 pseudo-stream ``sim.host`` whose knowledge is the host clock), so a host read of a buffer that a device
 stream wrote (e.g. a CPU optimizer step on a gradient copied back on a side stream) must follow an event
 synchronize.  An op that mixes host and device tensors (a host<->device copy) runs on the current stream;
-if its host side is not pinned the host then waits for that stream (as a pageable ``cudaMemcpy`` does).
+the host then waits for that stream (as ``cudaMemcpy`` does) unless the copy is ``non_blocking`` and its
+host side pinned.
 :meth:`SimulatedCuda.device_storages` / :meth:`assert_on_host` check that nothing persistent lives on the
 device; ``peak_bytes["device"]`` is the device's peak of tracked bytes.
 
@@ -42,7 +46,8 @@ CPU offload: ``SimCudaStreams`` makes the adapter's ``host_empty`` buffers pinne
 ``to_device`` / ``to_host`` copies ops of the current stream (the copy reads one side, writes the other);
 :func:`simulate_cuda` declares an offloaded model's existing host shards pinned host memory.
 
-Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path.
+Use :func:`simulate_cuda` on a wrapped model to make its engine run the CUDA code path (several models may
+share one simulator; ``group=`` gives the engine a stand-in shard group, e.g. hybrid sharding in one process).
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -67,6 +73,17 @@ _C10D_WRITES = {
     "c10d::reduce_scatter_tensor_coalesced_": {0}, "c10d::allreduce_": {0}, "c10d::broadcast_": {0},
     "c10d::recv_": {0}, "c10d::send": set(), "c10d::barrier": set(),
 }
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a simulated test (restored after): the simulator runs thousands of tiny ops,
+    and on a loaded 2-core machine two OpenMP threads spin for each (3 us per op on one thread, 500 us
+    measured on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class SimStream:
@@ -145,10 +162,13 @@ class _Buffer:
     alloc_stream: SimStream
     nbytes: int
     placement: str = "device"
+    key: int = 0  # the storage's ``_cdata``
+    label: Optional[str] = None  # a name given by the test (``sim.name``) or at the engine's note_alloc
     pinned: bool = False
     write: Optional[tuple] = None  # (stream, pos) of the last write
     reads: Dict[SimStream, int] = field(default_factory=dict)  # since the last write
     uses: Dict[SimStream, int] = field(default_factory=dict)  # every read or write, for the free check
+    last_op: Dict[SimStream, str] = field(default_factory=dict)  # the op of each stream's last use
     recorded: set = field(default_factory=set)
     pending: Optional[Dict[SimStream, int]] = None  # after free: held until the host knows these
 
@@ -197,7 +217,10 @@ class SimulatedCuda(TorchDispatchMode):
         self._dead: List[_Buffer] = []
         self.peak: Dict[str, int] = {}
         self.peak_bytes: Dict[str, int] = {}
+        self._live_kinds: Dict[str, int] = collections.Counter()  # buffers alive (or held back), by kind
+        self._live_bytes: Dict[str, int] = collections.Counter()  # their bytes, by placement
         self.side_streams: List[SimStream] = []
+        self._models: List[Any] = []  # weak references to the wrapped models whose buffers violations name
 
     # ------------------------------------------------------------------ torch.cuda surface
     def default_stream(self, index: int) -> SimStream:
@@ -237,19 +260,30 @@ class SimulatedCuda(TorchDispatchMode):
         key = storage._cdata
         buf = self._buffers.get(key)
         if buf is None:
-            # first sight of a storage made outside the simulation: allocated by the host on the default stream
-            buf = self._new(storage, self.default_stream(self.device_index) if stream is not self.host else stream, kind)
+            # first sight of a storage made outside the simulation: by a host op, host memory; otherwise
+            # allocated by the host on the default stream (a device tensor made before the simulation)
+            if stream is self.host:
+                buf = self._new(storage, stream, kind, "host")
+            else:
+                buf = self._new(storage, self.default_stream(self.device_index), kind)
         return buf
 
     def _new(self, storage: torch.UntypedStorage, stream: SimStream, kind: str, placement: str = "device") -> _Buffer:
         key = storage._cdata
-        buf = _Buffer(kind, stream, storage.nbytes(), placement)
+        if key in self._buffers:  # a storage seen before and re-allocated (a resize): the old life ends
+            self._tally(self._buffers.pop(key), -1)
+        buf = _Buffer(kind, stream, storage.nbytes(), placement, key=key)
         self._buffers[key] = buf
         if key not in self._finalizers:
             self._finalizers.add(key)
             weakref.finalize(storage, self._storage_died, key)
+        self._tally(buf, +1)
         self._count(kind)
         return buf
+
+    def _tally(self, buf: _Buffer, sign: int) -> None:
+        self._live_kinds[buf.kind] += sign
+        self._live_bytes[buf.placement] += sign * buf.nbytes
 
     def _storage_died(self, key: int) -> None:
         self._finalizers.discard(key)
@@ -257,31 +291,65 @@ class SimulatedCuda(TorchDispatchMode):
             self._free(key)
 
     def _count(self, kind: str) -> None:
-        self._dead = [b for b in self._dead if b.alive(self.host_clock)]
-        live = list(self._buffers.values()) + self._dead
+        """Update the peaks (buffers held back by ``record_stream`` count until the host saw them free)."""
+        if self._dead:
+            still = []
+            for b in self._dead:
+                (still.append(b) if b.alive(self.host_clock) else self._tally(b, -1))
+            self._dead = still
         if kind != "tensor":
-            self.peak[kind] = max(self.peak.get(kind, 0), sum(b.kind == kind for b in live))
+            self.peak[kind] = max(self.peak.get(kind, 0), self._live_kinds[kind])
         for where in ("device", "host"):
-            self.peak_bytes[where] = max(self.peak_bytes.get(where, 0),
-                                         sum(b.nbytes for b in live if b.placement == where))
+            self.peak_bytes[where] = max(self.peak_bytes.get(where, 0), self._live_bytes[where])
 
     def _free(self, key: int) -> None:
         buf = self._buffers.pop(key)
         for stream, pos in buf.uses.items():
-            safe = (stream is buf.alloc_stream or stream in buf.recorded
-                    or buf.alloc_stream.knows(stream, pos) or self.host_clock.get(stream, 0) >= pos)
+            # the block goes back to its allocation stream's pool, held (record_stream) until every recorded
+            # stream is past the free: safe if one of them (or the host) knows the use is done
+            safe = (stream is buf.alloc_stream or stream in buf.recorded or buf.alloc_stream.knows(stream, pos)
+                    or any(r.knows(stream, pos) for r in buf.recorded) or self.host_clock.get(stream, 0) >= pos)
             if not safe:
-                self.violations.append(f"{buf.kind} freed while {stream.name} may still use it "
-                                       f"(allocated on {buf.alloc_stream.name}, no record_stream)")
+                self.violations.append(f"{buf.label or buf.kind} freed while {stream.name} may still use it "
+                                       f"(allocated on {buf.alloc_stream.name}, no record_stream; last used there "
+                                       f"by {buf.last_op.get(stream)})")
         buf.pending = {s: s.pos for s in buf.recorded if s is not buf.alloc_stream}
-        self._dead.append(buf)
+        if buf.alive(self.host_clock):
+            self._dead.append(buf)
+        else:
+            self._tally(buf, -1)
         self.log.append(("free", buf.alloc_stream.name, buf.kind))
+
+    def name(self, tensor: torch.Tensor, label: str) -> None:
+        """Name ``tensor``'s storage in violations (a wrapped model's shards and gradients are named already)."""
+        self._buffer(tensor.untyped_storage(), self.current_stream(self.device_index)).label = label
+
+    def watch(self, model: Any) -> None:
+        """Name the buffers of a wrapped model (shards, gradients, gathered parameters) in violations."""
+        self._models.append(weakref.ref(model))
+
+    def _describe(self, buf: _Buffer) -> str:
+        if buf.label is not None:
+            return buf.label
+        for ref in self._models:
+            model = ref()
+            for unit in model.units if model is not None else ():
+                offload = model._root.engine.offload
+                staging = offload._staging if offload is not None else {}
+                for i, flat in enumerate(unit.flat_params):
+                    named = [("local_shard", flat.local_shard), ("sharded_grad", flat.sharded_grad),
+                             ("unsharded", flat.unsharded), ("staged grad", staging.get(flat))]
+                    named += [(f"grad of {slot.fqn}", p.grad) for slot, p in zip(flat.layout.slots, flat.params)]
+                    for what, t in named:
+                        if t is not None and (st := _storage(t)) is not None and st._cdata == buf.key:
+                            return f"{what} of {unit.name}[{i}]"
+        return buf.kind
 
     # ------------------------------------------------------------------ op tracking
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         schema = func._schema
-        reads, writes = [], []
+        reads, writes, non_blocking = [], [], False
         if schema.name.startswith("c10d::"):
             written = _C10D_WRITES.get(schema.name)
             for i, value in enumerate(args):
@@ -292,8 +360,9 @@ class SimulatedCuda(TorchDispatchMode):
             for arg in schema.arguments:
                 ts = _tensors(named.get(arg.name))
                 (writes if arg.alias_info is not None and arg.alias_info.is_write else reads).extend(ts)
+            non_blocking = bool(named.get("non_blocking", False))
         out = func(*args, **kwargs)
-        self._on_op(schema, reads, writes, out)
+        self._on_op(schema, reads, writes, out, non_blocking)
         return out
 
     def _placement(self, t: torch.Tensor) -> Optional[_Buffer]:
@@ -302,7 +371,8 @@ class SimulatedCuda(TorchDispatchMode):
             return None
         return self._buffers.get(storage._cdata)
 
-    def _on_op(self, schema, reads: List[torch.Tensor], writes: List[torch.Tensor], out: Any) -> None:
+    def _on_op(self, schema, reads: List[torch.Tensor], writes: List[torch.Tensor], out: Any,
+               non_blocking: bool = False) -> None:
         known = [b for b in map(self._placement, reads + writes) if b is not None]
         on_host = bool(known) and all(b.placement == "host" for b in known)
         stream = self.host if on_host else self.current_stream(self.device_index)
@@ -315,7 +385,7 @@ class SimulatedCuda(TorchDispatchMode):
             if storage is None or storage.nbytes() == 0:
                 continue
             buf = self._buffer(storage, stream)
-            self._check(buf, stream, is_write)
+            self._check(buf, stream, is_write, schema.name)
             if (storage._cdata, is_write) in seen:
                 continue
             seen.add((storage._cdata, is_write))
@@ -325,7 +395,7 @@ class SimulatedCuda(TorchDispatchMode):
                 buf.reads[stream] = pos
                 if buf.kind != "tensor":
                     self.log.append(("read", stream.name, buf.kind))
-            buf.uses[stream] = pos
+            buf.uses[stream], buf.last_op[stream] = pos, schema.name
         # new outputs (no alias to an argument): allocated on this stream, written at this position
         returns = schema.returns
         outs = [out] if len(returns) == 1 else list(out) if isinstance(out, (tuple, list)) else []
@@ -338,10 +408,10 @@ class SimulatedCuda(TorchDispatchMode):
                     continue
                 placement = "host" if on_host else "device"
                 buf = self._new(storage, stream, "tensor", placement)
-                buf.write, buf.uses[stream] = (stream, pos), pos
+                buf.write, buf.uses[stream], buf.last_op[stream] = (stream, pos), pos, schema.name
         mixed = {b.placement for b in known}
-        if mixed == {"host", "device"} and not all(b.pinned for b in known if b.placement == "host"):
-            self._host_waits_for(stream)  # a pageable host<->device copy blocks the host
+        if mixed == {"host", "device"} and not (non_blocking and all(b.pinned for b in known if b.placement == "host")):
+            self._host_waits_for(stream)  # a host<->device copy blocks the host unless pinned and non_blocking
         if schema.name == "aten::_local_scalar_dense":  # .item(): the host waits for the stream
             self._host_waits_for(stream)
 
@@ -350,19 +420,20 @@ class SimulatedCuda(TorchDispatchMode):
         event.record(stream)
         event.synchronize()
 
-    def _check(self, buf: _Buffer, stream: SimStream, is_write: bool) -> None:
+    def _check(self, buf: _Buffer, stream: SimStream, is_write: bool, op: str) -> None:
+        """Violations name the tensor, the stream (``host`` for host work) and the op."""
         if buf.write is not None:
             w_stream, w_pos = buf.write
             if not stream.knows(w_stream, w_pos):
                 what = "written" if is_write else "read"
                 verb = "write" if is_write else "read"
-                self.violations.append(f"{buf.kind} {verb} on {stream.name} before its write on {w_stream.name} "
-                                       f"was waited for ({what} too early)")
+                self.violations.append(f"{self._describe(buf)} {verb} on {stream.name} before its write on "
+                                       f"{w_stream.name} was waited for ({what} too early, by {op})")
         if is_write:
             for r_stream, r_pos in buf.reads.items():
                 if not stream.knows(r_stream, r_pos):
-                    self.violations.append(f"{buf.kind} written on {stream.name} while {r_stream.name} may still "
-                                           "read it")
+                    self.violations.append(f"{self._describe(buf)} written on {stream.name} while {r_stream.name} "
+                                           f"may still read it (by {op})")
 
     # ------------------------------------------------------------------ adapter notes
     def alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> _Buffer:
@@ -371,9 +442,13 @@ class SimulatedCuda(TorchDispatchMode):
         if key is not None:  # a resized storage (the gathered buffer): a new allocation each time
             self._keyed[key] = storage._cdata
             buf = self._new(storage, stream, kind)
+            fqns = [slot.fqn for slot in getattr(getattr(key, "layout", None), "slots", ())]
+            buf.label = f"{kind} flat parameter [{fqns[0]}, ...]" if fqns else None
         else:
             buf = self._buffer(storage, stream, kind)
+            self._tally(buf, -1)
             buf.kind = kind
+            self._tally(buf, +1)
             self._count(kind)
         self.log.append(("alloc", stream.name, kind))
         return buf
@@ -394,7 +469,10 @@ class SimulatedCuda(TorchDispatchMode):
 
     # ------------------------------------------------------------------ placement (host memory)
     def place(self, tensor: torch.Tensor, placement: str, pinned: bool = False) -> None:
-        """Declare ``tensor``'s storage as living in ``placement`` ("host" or "device")."""
+        """Declare ``tensor``'s storage as living in ``placement`` ("host" or "device").
+
+        A tensor a device stream wrote and now declared host memory was copied there by a blocking copy
+        (``.to("cpu")``, which the simulated device cannot tell from a device op): the host waits for it."""
         if placement not in ("host", "device"):
             raise ValueError(f"sim_cuda: placement must be 'host' or 'device', got {placement!r}")
         storage = tensor.untyped_storage()
@@ -403,11 +481,15 @@ class SimulatedCuda(TorchDispatchMode):
             buf = self._buffers[storage._cdata]
         else:  # not seen yet: counted in the right memory from the start (peak_bytes)
             buf = self._new(storage, stream, "tensor", placement)
+        if placement == "host" and buf.placement == "device" and buf.write is not None:
+            self._host_waits_for(buf.write[0])
+        self._tally(buf, -1)
         buf.placement, buf.pinned = placement, pinned and placement == "host"
+        self._tally(buf, +1)
 
     def device_storages(self) -> List[_Buffer]:
         """Buffers alive on the simulated device (referenced, or held back by ``record_stream``)."""
-        self._dead = [b for b in self._dead if b.alive(self.host_clock)]
+        self._count("tensor")
         return [b for b in list(self._buffers.values()) + self._dead if b.placement == "device"]
 
     def assert_on_host(self, tensors: Dict[str, torch.Tensor]) -> None:
@@ -424,6 +506,12 @@ class SimCudaStreams(CudaStreams):
     def __init__(self, device: torch.device, sim: SimulatedCuda) -> None:
         super().__init__(device, api=sim)
         self.sim = sim
+
+    def side_stream(self, role: str) -> Any:
+        stream = super().side_stream(role)
+        if not stream.name.startswith(role):
+            stream.name = f"{role}:{stream.name}"  # violations name the stream by its role
+        return stream
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         self.sim.record_stream(tensor, stream)
@@ -442,11 +530,11 @@ class SimCudaStreams(CudaStreams):
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         # a fresh device buffer on the current stream, written there by the copy (which reads the host)
         out = torch.empty(host.shape, dtype=host.dtype)
-        out.copy_(host)
+        out.copy_(host, non_blocking=True)
         return out
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(src)
+        out.copy_(src, non_blocking=True)
 
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         self.sim.alloc(tensor, kind, key)
@@ -460,19 +548,22 @@ def sim_adapter(sim: SimulatedCuda) -> SimCudaStreams:
     return SimCudaStreams(torch.device("cuda", sim.device_index), sim)
 
 
-def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) -> SimulatedCuda:
+def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, group: Any = None,
+                  sim: Optional[SimulatedCuda] = None) -> SimulatedCuda:
     """Make a wrapped model's engine run the CUDA code path on the simulator (before its first step).
 
     The engine is rebuilt with the same settings and the simulated adapter; a setting that would not carry
     over (a new ``Engine`` argument this helper does not pass) is reported, not silently dropped.
-    Run the model inside ``with sim:`` so that its ops are observed."""
-    sim = SimulatedCuda(device_index, current_device)
+    ``group``: a stand-in for the engine's shard group (e.g. ``test_sim_paths.IdenticalReplicas``: hybrid
+    sharding in one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
+    on a GPU).  Run the model inside ``with sim:`` so that its ops are observed."""
+    sim = sim or SimulatedCuda(device_index, current_device)
     root = model._root
     old = root.engine
     if old.has_pending():
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
-    new = Engine(old.group, old.device, old.reduce_dtype, old.max_inflight,
+    new = Engine(group or old.group, old.device, old.reduce_dtype, old.max_inflight,
                  old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
     if old.offload is not None:
         # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
@@ -480,12 +571,15 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0) ->
         for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
             sim.place(host, "host", pinned=True)
     stream_attrs = {"streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
+    if group is not None:
+        stream_attrs |= {"group", "predivide", "postdivide"}
     differing = [k for k, v in vars(old).items()
                  if k not in stream_attrs and k in vars(new) and _differs(v, vars(new)[k])]
     if differing or set(vars(old)) != set(vars(new)):
         raise RuntimeError(f"sim_cuda: Engine settings {differing or sorted(set(vars(old)) ^ set(vars(new)))} "
                            "do not carry over to the simulated engine; update simulate_cuda()")
     root.engine = new
+    sim.watch(model)
     return sim
 
 

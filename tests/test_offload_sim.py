@@ -13,8 +13,9 @@ the host) is observed op by op.  Checked:
   a shard while a copy may still read it (``sim.violations``);
 * buffer reuse: pinned buffers are allocated in the first step and reused, none leaked.
 
-Each check is shown to fail on a deliberately broken schedule or placement: by mutations of the
-package's source (``MUTATIONS``, run like tests/test_sim_mutations.py) and by a broken adapter.
+Each check is shown to fail on a deliberately broken schedule or placement: by a broken adapter here,
+and by the mutation tables (tests/sim_table.py: every ordering call of the package; tests/
+test_sim_mutations.py: the placement and buffer-reuse rows).
 """
 import contextlib
 
@@ -23,12 +24,11 @@ import torch
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
 from models import batches, llama, llama_layer_class
-from sim_cuda import SimCudaStreams, simulate_cuda
-from test_sim_mutations import Mutation, _expect_caught
+from sim_cuda import SimCudaStreams, one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
 LAYERS = 4
 
-pytestmark = pytest.mark.usefixtures("world_of_one")
+pytestmark = pytest.mark.usefixtures("world_of_one", "one_thread")
 
 
 def _offloaded(offload=True, **kwargs):
@@ -159,40 +159,6 @@ def test_every_host_to_device_copy_is_ordered_before_the_gather_that_reads_it(br
     assert bool(hazards) == broken, sim.violations
 
 
-# Single-line breaks of the offload schedule; each must fail the test named (run on a copy of the package).
-MUTATIONS = [
-    Mutation("host reads the reduced gradient before its device -> host copy is waited for", "engine.py",
-             "                    s.synchronize(r.copied)\n", "                    pass\n",
-             ("trains_exactly_like_the_plain_model_with_nothing",)),
-    Mutation("device -> host copy on the compute stream, which did not wait for the reduce-scatter", "engine.py",
-             "        stream = self.replica_stream if r.replicas is not None else self.reduce_scatter_stream\n",
-             "        stream = self.streams.compute_stream()\n", ("trains_exactly_like_the_plain_model_with_nothing",)),
-    Mutation("host -> device copy issued on the reduce-scatter stream, not the gather's", "engine.py",
-             "                source = self.offload.shard_on_device(flat) if self.offload else flat.local_shard\n",
-             "                with s.on(self.reduce_scatter_stream):\n"
-             "                    source = self.offload.shard_on_device(flat) if self.offload else flat.local_shard\n",
-             ("trains_exactly_like_the_plain_model_with_nothing",)),
-    Mutation("shard left on the device", "offload.py",
-             "        flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()\n",
-             "        pass\n", ("trains_exactly_like_the_plain_model_with_nothing",)),
-    Mutation("hybrid: reduced shard dropped without record_stream for the replica stream's copy", "engine.py",
-             "                s.record_stream(r.shard_out, stream)\n", "                pass\n",
-             ("hybrid_copies_the_gradient",)),
-    Mutation("a new pinned gradient buffer every step", "offload.py",
-             "        if flat.sharded_grad is None:\n", "        if True:\n", ("pinned_buffers_are_reused",)),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name.split(",")[0][:40])
-def test_every_offload_mutation_is_caught(mutation, tmp_path):
-    _expect_caught(mutation, tmp_path, tests_file=__file__)
-
-
-def test_the_representative_offload_mutation_is_caught(tmp_path):
-    _expect_caught(MUTATIONS[0], tmp_path, tests_file=__file__)
-
-
 @pytest.mark.parametrize("chosen", [None, False], ids=["default", "user-chose-foreach-False"])
 def test_the_host_adamw_step_uses_the_fused_kernel_unless_the_user_chose(chosen):
     """Offload onto a GPU moves AdamW to the host, where torch's default is the slowest variant
@@ -235,4 +201,4 @@ def test_offload_under_hybrid_copies_the_gradient_after_the_replica_all_reduce(w
         engine.finish_reduces()
     assert torch.equal(p.grad, torch.full_like(p.grad, 3.0))  # (W ranks * 3.0) / W
     sim.assert_on_host({"sharded_grad": flat.sharded_grad})
-    assert sim.violations == []  # (the mutation table shows this fails without the record_stream)
+    assert sim.violations == []  # (tests/sim_table.py shows this fails without the record_stream)

@@ -95,3 +95,42 @@ def test_host_memory_read_on_the_host_must_follow_the_device_to_host_copy():
     sim.assert_on_host({"grad shard": host})
     with pytest.raises(AssertionError, match="device"):
         sim.assert_on_host({"grad": grad})
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_copy_between_host_and_device_blocks_the_host_unless_pinned_and_non_blocking(non_blocking):
+    """As ``cudaMemcpy``: a blocking copy (``.copy_(src)``, ``.to(device)``) returns once done, so the host
+    may then write the source; a non_blocking copy from pinned memory may still read it."""
+    sim, compute, side = _sim()
+    with sim:
+        host = torch.ones(4)
+        sim.place(host, "host", pinned=True)
+        sim.name(host, "the pinned shard")
+        device = torch.empty(4)  # on the device
+        side.wait_stream(compute)
+        with sim.stream(side):
+            device.copy_(host, non_blocking=non_blocking)  # host -> device on a side stream
+        host.add_(1.0)  # the host optimizer writes the shard
+    if non_blocking:
+        (violation,) = sim.violations
+        assert violation == ("the pinned shard written on host while " + side.name + " may still read it "
+                             "(by aten::add_)")  # the tensor, the stream and the op
+    else:
+        assert sim.violations == []
+
+
+def test_a_buffer_freed_after_a_recorded_stream_waited_for_its_use_is_safe():
+    """The block waits in the pool until every ``record_stream``ed stream passed the free: if one of them
+    waited for the other stream's use, that use is done before the block is reused."""
+    sim, compute, side = _sim()
+    other = sim.Stream(device="cuda:0")
+    with sim:
+        with sim.stream(side):
+            y = torch.ones(4)  # allocated on the side stream
+        other.wait_stream(side)
+        with sim.stream(other):
+            y.mul_(2)  # written on a third stream (the replica all-reduce)
+        compute.wait_stream(other)
+        sim.record_stream(y, compute)  # kept for the compute stream, which waited for the third
+        del y
+    assert sim.violations == []

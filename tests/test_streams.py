@@ -8,7 +8,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, transformer_auto_wrap_policy
@@ -16,12 +15,12 @@ from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
 from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
 from models import batches, llama, llama_layer_class
-from sim_cuda import SimulatedCuda, sim_adapter, simulate_cuda
+from sim_cuda import SimulatedCuda, one_thread, sim_adapter, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
 LAYERS = 6
 
 
-pytestmark = pytest.mark.usefixtures("world_of_one")
+pytestmark = pytest.mark.usefixtures("world_of_one", "one_thread")
 
 
 def _simulated(device_index=0, current_device=0, **kwargs):
@@ -207,45 +206,3 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
     assert replica_stream is not engine.reduce_scatter_stream
     assert replica_stream.priority == HIGH_PRIORITY
     assert ("wait_event", replica_stream.name, engine.reduce_scatter_stream.name) in sim.log
-
-
-def _simulated_w2_worker(rank, world_size, group_size):
-    model = FullyShardedDataParallel(llama(n_layer=3), auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
-                                     fsdp_group_size=group_size)
-    sim = simulate_cuda(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    with sim:
-        for x in batches(2, batch=4):
-            local = x.chunk(world_size)[rank]
-            loss = model(input_ids=local, labels=local).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    means = []
-    for loss in losses:
-        mean = loss.clone()
-        dist.all_reduce(mean)
-        means.append(mean.item() / world_size)
-    return means, sim.violations
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("group_size", [None, 1])
-def test_simulated_cuda_schedule_at_w2_matches_the_single_process_run(group_size):
-    """Real gloo collectives issued the CUDA way (on side streams, completion by events), sharded and hybrid."""
-    from dist_helpers import spawn
-
-    reference = llama(n_layer=3)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ref_losses = []
-    for x in batches(2, batch=4):
-        loss = reference(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
-    for losses, violations in spawn(2, _simulated_w2_worker, group_size):
-        assert losses == pytest.approx(ref_losses, abs=1e-5)
-        assert violations == []
