@@ -27,55 +27,47 @@ __all__ = ["main"]
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
-    return f"{n} B"
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import read_checkpoint_info
-    from .checkpoint.save_state_dir import is_save_state_dir
-
-    if is_save_state_dir(args.checkpoint):
-        return _inspect_save_state(args)
-    info = read_checkpoint_info(args.checkpoint)
-    if args.json:
-        print(json.dumps(info, indent=1, default=str))
-        return 0
-    source = info.get("model_class") or "?"
-    if info.get("optimizer_class"):
-        source = f"{info['optimizer_class']} for {source}"
-    print(f"checkpoint: {info['directory']}")
-    print(f"kind: {info['kind']} ({source})")
-    print(f"saved at world size {info['world_size']} (shard group size {info['shard_size']}), "
-          f"torch {info.get('torch_version')}, {info.get('saved_at')}")
-    print(f"tensors: {len(info['tensors'])}, {_human(info['total_bytes'])} of tensor data, "
-          f"{_human(info['file_bytes'])} on disk")
-    _print_tensors(info["tensors"])
-    if info.get("param_groups"):
-        for g, group in enumerate(info["param_groups"]):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            print(f"param_groups[{g}]: {len(group.get('params', []))} params, {hyper}")
-    return 0
+    return f"{n:.2f} TB"
 
 
 def _print_tensors(tensors: dict, indent: str = "") -> None:
     rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for name, d in tensors.items()]
     width = max([len(r[0]) for r in rows] + [4])
-    print(f"{indent}{'name':<{width}}  {'shape':<16} {'dtype':<10} kind")
-    for name, shape, dtype, kind in rows:
-        print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}")
+    for name, shape, dtype, kind in [("name", "shape", "dtype", "kind")] + rows:
+        print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}".rstrip())
 
 
-def _inspect_save_state(args: argparse.Namespace) -> int:
-    from .checkpoint.save_state_dir import read_save_state_info
+def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import read_checkpoint_info
+    from .checkpoint.save_state_dir import is_save_state_dir, read_save_state_info
 
-    info = read_save_state_info(args.checkpoint)
+    save_state = is_save_state_dir(args.checkpoint)
+    info = (read_save_state_info if save_state else read_checkpoint_info)(args.checkpoint)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
-        return 0
+    elif save_state:
+        _print_save_state(info)
+    else:
+        source = info.get("model_class") or "?"
+        if info.get("optimizer_class"):
+            source = f"{info['optimizer_class']} for {source}"
+        print(f"checkpoint: {info['directory']}\nkind: {info['kind']} ({source})")
+        print(f"saved at world size {info['world_size']} (shard group size {info['shard_size']}), "
+              f"torch {info.get('torch_version')}, {info.get('saved_at')}")
+        print(f"tensors: {len(info['tensors'])}, {_human(info['total_bytes'])} of tensor data, "
+              f"{_human(info['file_bytes'])} on disk")
+        _print_tensors(info["tensors"])
+        for g, group in enumerate(info.get("param_groups") or []):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            print(f"param_groups[{g}]: {len(group.get('params', []))} params, {hyper}")
+    return 0
+
+
+def _print_save_state(info: dict) -> None:
     print(f"accelerator.save_state directory: {info['directory']}")
     for entry in info["models"] + info["optimizers"]:
         kind = "model" if entry in info["models"] else "optimizer"
@@ -83,27 +75,22 @@ def _inspect_save_state(args: argparse.Namespace) -> int:
                   if entry["layout"] == "sharded" else "full file")
         source = entry.get("optimizer_class") or entry.get("model_class")
         print(f"{kind} {entry['name']}: {layout}{f', {source}' if source else ''}, {_human(entry['file_bytes'])} on disk")
-        if "tensors" in entry and kind == "model":
-            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data")
-            _print_tensors(entry["tensors"], indent="  ")
-        elif "tensors" in entry:
-            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data "
-                  f"(`accel-flatshard inspect {entry['path']}` lists them)")
+        if "tensors" in entry:
+            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data" +
+                  ("" if kind == "model" else f" (`accel-flatshard inspect {entry['path']}` lists them)"))
+            if kind == "model":
+                _print_tensors(entry["tensors"], indent="  ")
     print("other files:")
     for name, size in info["other"].items():
         print(f"  {name:<32} {_human(size)}")
-    return 0
 
 
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
     from .checkpoint.save_state_dir import consolidate_save_state, is_save_state_dir
 
-    if is_save_state_dir(args.checkpoint):
-        consolidate = consolidate_save_state  # noqa: F811 - the model inside the save_state directory
-    files = consolidate(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
-                        verify_checksums=not args.no_verify)
-    for f in files:
+    run = consolidate_save_state if is_save_state_dir(args.checkpoint) else consolidate  # (its model)
+    for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, verify_checksums=not args.no_verify):
         print(f)
     return 0
 
