@@ -1,20 +1,13 @@
-"""``accel-flatshard``: offline tools for sharded checkpoints (no process group, no GPU needed).
+"""``accel-flatshard``: offline tools for sharded checkpoints (no process group, no GPU needed), and the planner.
 
-Commands (CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by
-``accelerator.save_state``, which holds ``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
+CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by ``accelerator.save_state``
+(``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
 
-    accel-flatshard inspect CKPT_DIR [--json]
-        keys, shapes, dtypes, the world size it was saved at, total size; for a save_state
-        directory: its model(s), optimizer(s) and accelerate's other files
-    accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]
-        model checkpoint -> Hugging Face model.safetensors (or shards + index)
+    accel-flatshard inspect CKPT_DIR [--json]       # keys, shapes, dtypes, saved world size, sizes (a
+                                                    # save_state directory: its models, optimizers, other files)
+    accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]   # -> HF safetensors
     accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S [--device_memory 80GiB]
-        each rank's peak memory in a training step, before the launch (``accel_flatshard/plan``)
-
-Example::
-
-    accel-flatshard consolidate ckpt/model hf_out --max-shard-size 2GB
-    python -c "from transformers import AutoConfig; AutoConfig.from_pretrained('gpt2').save_pretrained('hf_out')"
+                                                    # each rank's peak memory in a step (``accel_flatshard/plan``)
 """
 from __future__ import annotations
 
