@@ -22,7 +22,8 @@ import torch
 
 __all__ = ["DTYPES", "GENERATION_MODES", "OPTIONS", "Option", "check_environment", "env_flag", "get", "markdown_table"]
 
-_BOOLS = {**dict.fromkeys(("1", "true", "yes", "y", "on"), True), **dict.fromkeys(("0", "false", "no", "n", "off"), False)}
+_BOOLS = {**dict.fromkeys(("1", "true", "yes", "y", "on"), True),
+          **dict.fromkeys(("0", "false", "no", "n", "off"), False)}
 # accepted dtype names (also of accelerate's top-level mixed_precision)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -98,8 +99,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("FLATSHARD_GENERATION_MODE", "budget | full | per_unit", "budget", "budget",
            "units kept gathered during `generate()`: `budget` keeps as many as `FLATSHARD_GENERATION_BUDGET_MB` "
            "allows (the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per "
-           "token, warned once)", _parser(lambda text: text.lower().replace("-", "_"),
-                                          f"expected one of {', '.join(GENERATION_MODES)}", GENERATION_MODES.__contains__)),
+           "token, warned once)", _parser(lambda text: text.lower().replace("-", "_"), "expected one of "
+                                          + ", ".join(GENERATION_MODES), GENERATION_MODES.__contains__)),
     Option("FLATSHARD_GENERATION_BUDGET_MB", "auto | MiB >= 0", None, "auto",
            "gathered bytes one `generate()` may hold per rank; `auto`: half the free device memory when it "
            "starts", _parser(lambda text: None if text.lower() == "auto" else int(float(text) * 2**20),
@@ -129,12 +130,14 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
     unknown = sorted(k for k in environ if k.startswith("FLATSHARD_") and k not in OPTIONS)
     if unknown:
         known = "\n".join(f"  {o.name} ({o.type}): {o.doc}" for o in OPTIONS.values())
-        raise ValueError(f"accel_flatshard: unknown environment variable(s) {unknown} (misspelt?); the known ones are:\n{known}")
+        raise ValueError(f"accel_flatshard: unknown environment variable(s) {unknown} (misspelt?); the known ones "
+                         f"are:\n{known}")
     for name in OPTIONS:
         get(name, environ)
 
 
 def markdown_table() -> str:
     """The README's option table (name | type | default | what it does), rendered from :data:`OPTIONS`."""
-    rows = [f"| `{o.name}` | {o.type.replace('|', chr(92) + '|')} | {o.default_text} | {o.doc} |" for o in OPTIONS.values()]
+    rows = [f"| `{o.name}` | {o.type.replace('|', chr(92) + '|')} | {o.default_text} | {o.doc} |"
+            for o in OPTIONS.values()]
     return "\n".join(["| variable | type | default | what it does |", "|---|---|---|---|", *rows])

@@ -20,7 +20,6 @@ import collections
 import contextlib
 import itertools
 import os
-import resource
 import statistics
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -137,12 +136,11 @@ def step_phases(events: Iterable[Any], step_prefix: str = "ProfilerStep#") -> Li
     return out
 
 
-def phase_table(events_or_steps: Any, title: str = "accel_flatshard profile", skip: int = 0) -> str:
+def phase_table(events_or_steps: Any, title: str = "accel_flatshard profile") -> str:
     """A markdown table of per-step phase times (median, mean, max, % of step) from ``prof.events()`` or
-    :func:`step_phases`'s result; ``skip`` leaves out the first steps (warm-up)."""
+    :func:`step_phases`'s result."""
     steps = events_or_steps if isinstance(events_or_steps, list) and (
         not events_or_steps or isinstance(events_or_steps[0], dict)) else step_phases(events_or_steps)
-    steps = steps[skip:] or steps
     if not steps:
         return f"{title}: no step recorded (no flatshard:: span or ProfilerStep in the events)"
     lines = [f"{title}: {len(steps)} steps, ms per step", "| phase | median | mean | max | % of step |",
@@ -153,11 +151,7 @@ def phase_table(events_or_steps: Any, title: str = "accel_flatshard profile", sk
         median = statistics.median(values)
         lines.append(f"| {label} | {median:.1f} | {statistics.fmean(values):.1f} | {max(values):.1f} "
                      f"| {100 * median / step:.0f}% |")
-    # process-lifetime peaks, read without resetting anything
-    peak = f"peak RSS of the process so far: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peak += f", peak CUDA allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
-    return "\n".join(lines + [peak])
+    return "\n".join(lines)
 
 
 _ENV_PROFILER: Optional[Any] = None  # FLATSHARD_PROFILE's torch.profiler.profile (one per process)

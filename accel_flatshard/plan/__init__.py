@@ -33,7 +33,6 @@ from ..integrations.config import FlatShardOptions
 from ..wrap import checkpoint_units, select_units
 
 MAX_PENDING_REDUCTIONS = inspect.signature(Engine).parameters["max_pending_reductions"].default  # (the wrapper's)
-GiB = 2**30
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
 # links inside and between nodes, PCIe, the host's optimizer step (state bytes/s), one unit's pass per micro-step.
 HARDWARE = {"flops": 300e12, "intra_node": 150e9, "inter_node": 25e9, "pcie": 25e9, "host_step": 4e9,
@@ -180,8 +179,8 @@ class Planner:
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
         """A fake CPU tensor for a meta parameter or buffer, in the dtype the wrapper computes in."""
-        dtype = (self.param_dtype if isinstance(t, nn.Parameter) else self.buffer_dtype) if t.is_floating_point() else None
-        return torch.empty(t.shape, dtype=dtype or t.dtype)
+        dtype = self.param_dtype if isinstance(t, nn.Parameter) else self.buffer_dtype
+        return torch.empty(t.shape, dtype=dtype if dtype and t.is_floating_point() else t.dtype)
 
     def trace(self, checkpointing: bool, micro_batch: int) -> _Trace:
         """The activation trace of one forward and backward at this micro-batch."""
@@ -224,7 +223,8 @@ class Planner:
             params = [nn.Parameter(torch.empty(n, dtype=d)) for n, d in sizes]
             for p in params:
                 p.grad = torch.empty_like(p)
-            foreach = {"foreach": self.device == "cuda"} if "foreach" in inspect.signature(self.optimizer).parameters else {}
+            foreach = {"foreach": self.device == "cuda"} if "foreach" in inspect.signature(self.optimizer).parameters \
+                else {}
             optimizer = self.optimizer(params, lr=1e-4, **foreach)  # (torch's default on CUDA: the fake step is on CPU)
             with _Trace(params + [p.grad for p in params]) as trace:
                 optimizer.step()
@@ -234,18 +234,6 @@ class Planner:
 
     def predict(self, cfg: Config) -> Prediction:
         return _replay(self, cfg)
-
-    def configurations(self) -> List[Config]:
-        """Strategies and group sizes (W, a node, 1) x prefetch x limit_all_gathers x AC x offload (CUDA) x
-        micro-batches (divisors of the batch, with either kind of accumulation)."""
-        W, B = self.world_size, self.batch_size
-        groups = sorted({W} | {g for g in (max(1, W // self.num_machines), 1) if W % g == 0})
-        batches = [(m, acc) for m in range(B, 0, -1) if B % m == 0
-                   for acc in (("none",) if m == B else ("no_sync", "sync_each_batch"))]
-        knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
-                                  (False, True) if self.device == "cuda" else (False,), batches)
-        return [Config(reshard, g, prefetch, "BACKWARD_PRE" if prefetch else None, limit, ac, offload, mb, acc)
-                for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
 
 
 def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
@@ -482,8 +470,18 @@ def step_time(planner: Planner, cfg: Config) -> float:
 
 def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tuple[Config, Prediction, float]]:
     """The configurations whose predicted peak fits ``device_memory``, fastest first (:func:`step_time`); of
-    those differing only in prefetch or limit_all_gathers, the fastest."""
-    rows = ((c, planner.predict(c)) for c in planner.configurations())
+    those differing only in prefetch or limit_all_gathers, the fastest.  Tried: the strategies and group sizes
+    (W, a node, 1) x prefetch x limit_all_gathers x AC x offload (CUDA) x micro-batches (the divisors of the
+    batch, with either kind of accumulation)."""
+    W, B = planner.world_size, planner.batch_size
+    groups = sorted({W} | {g for g in (max(1, W // planner.num_machines), 1) if W % g == 0})
+    batches = [(m, acc) for m in range(B, 0, -1) if B % m == 0
+               for acc in (("none",) if m == B else ("no_sync", "sync_each_batch"))]
+    knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
+                              (False, True) if planner.device == "cuda" else (False,), batches)
+    tried = [Config(reshard, g, prefetch, "BACKWARD_PRE" if prefetch else None, limit, ac, offload, mb, acc)
+             for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
+    rows = ((c, planner.predict(c)) for c in tried)
     fits = sorted(((c, p, step_time(planner, c)) for c, p in rows if p.peak_bytes <= device_memory), key=lambda r: r[2])
     kinds = {}
     for c, p, t in fits:
@@ -537,8 +535,8 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
         except Exception as exc:  # noqa: BLE001 - advice only: training goes on
             warnings.warn(f"accel_flatshard: the memory prediction before the first step failed ({exc!r})")
             return
-        warnings.warn(f"accel_flatshard: predicted peak {predicted.peak_bytes / GiB:.2f} GiB per rank (in the "
-                      f"{predicted.where}) exceeds the {available / GiB:.2f} GiB available on {device}. Fastest "
+        warnings.warn(f"accel_flatshard: predicted peak {predicted.peak_bytes / 2**30:.2f} GiB per rank (in the "
+                      f"{predicted.where}) exceeds the {available / 2**30:.2f} GiB available on {device}. Fastest "
                       f"configuration predicted to fit: {advice}. `accel-flatshard plan` prints the breakdown "
                       "(the prediction may be pessimistic: on CUDA it assumes the host runs ahead of the GPU).")
 

@@ -13,7 +13,6 @@ import importlib
 import inspect
 import json
 import os
-import re
 import runpy
 import sys
 from typing import Any, Callable, Dict, List, Optional
@@ -21,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from ..checkpoint.consolidate import parse_size
 from ..integrations.config import options_from_launch_args
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
 
@@ -63,16 +63,6 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
     return build
 
 
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80G`` (binary), ``80GB`` (10^9), ``512MiB``, ``1e9`` -> bytes."""
-    match = re.fullmatch(r"\s*([\d.e+]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--device_memory {text!r}: expected a size such as 80GiB, 24GB or 512MiB")
-    number, prefix, binary, b = match.groups()
-    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * (1000 if b and not binary else 1024) ** power)
-
-
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
     """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
     pred, W = planner.predict(cfg), planner.world_size
@@ -87,8 +77,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
-    out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(W), description=c.describe(W),
-               peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
+    out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(W),
+               description=c.describe(W), peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
                cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
                    f"{k} {v:.3g}" for k, v in HARDWARE.items()))
     if rows:
@@ -96,7 +86,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         # shards, optimizer state and buffers (gradients are released by then) and the activations of a training
         # forward at this micro-batch (a bound for generation's activations and KV cache)
         best, parts = rows[0][0], rows[0][1].parts
-        budget = device_memory - parts["parameter shards"] - parts["optimizer state"] - parts["module buffers"] - saved(best.checkpointing, best.micro_batch)
+        kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
+        budget = device_memory - kept - saved(best.checkpointing, best.micro_batch)
         whole = sum(f.gathered for u in planner.layout(best.shard_size) for f in u)
         out["recommended"] = settings(best, W, planner.batch_size) + [
             f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
@@ -157,9 +148,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         optimizer = getattr(torch.optim, args.optimizer, None)
         if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
             raise ValueError(f"--optimizer {args.optimizer}: not a torch.optim optimizer class")
-        planner = Planner(build, options, W, args.batch_size, batch, args.device or ("cuda" if torch.cuda.is_available()
-                          else "cpu"), launched.mixed_precision in ("bf16", "fp16"), optimizer, launched.num_machines, seq or 1)
-        out = report(planner, Config.of(options, W, args.batch_size), parse_bytes(args.device_memory) if args.device_memory else None)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        planner = Planner(build, options, W, args.batch_size, batch, device, launched.mixed_precision in ("bf16", "fp16"),
+                          optimizer, launched.num_machines, seq or 1)
+        memory = parse_size(args.device_memory, "--device_memory") if args.device_memory else None
+        out = report(planner, Config.of(options, W, args.batch_size), memory)
     except (ValueError, OSError, ImportError) as exc:
         print(f"accel-flatshard plan: error: {exc}", file=sys.stderr)
         return 1
