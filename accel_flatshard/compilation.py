@@ -1,16 +1,16 @@
-"""torch.compile of a sharded model: which regions are compiled, and that none of them silently runs eagerly.
+"""torch.compile of a sharded model: which regions are compiled, and that none silently runs eagerly.
 
-* ``regional=True`` (accelerate's ``use_regional_compilation``, torchtitan's recipe): the ``forward`` of every
-  inner unit (a transformer block) is compiled *inside* the unit's hooks.  Gather, view install and free run
-  eagerly around the compiled region, which reads the parameters as plain views of the gathered flat
-  buffer; blocks of one class share one compiled graph.  (Measured against ``module.compile()`` of each block
-  before wrapping, which compiles the whole ``__call__``: README "torch.compile".)
-* ``regional=False``: the whole model, ``model.compile()`` in place (the wrapper keeps its class); dynamo
-  breaks the graph at every unit's hooks, which ``unit.py`` keeps out of dynamo's tracing.
+* ``regional=True`` (accelerate's ``use_regional_compilation``, torchtitan's recipe): each inner unit's
+  ``forward`` (a transformer block) is compiled *inside* the unit's hooks: gather, view install and free run
+  eagerly around it, and the compiled code reads the parameters as plain views of the gathered flat buffer.
+  Blocks of one class share one graph.  Measured faster than compiling each block's whole ``__call__``
+  (``module.compile()``, the same as compiling the blocks before wrapping): README "torch.compile".
+* ``regional=False``: ``model.compile()`` in place (the wrapper keeps its class); dynamo breaks the graph
+  at the units' hooks (``unit.py`` disables them for dynamo), i.e. only at unit boundaries.
 
-No silent eager fall-back: a compiled unit's forward goes through a probe whose body runs only when dynamo
-did not run compiled code for that call (a frame it skipped, the recompile limit); it warns once per class
-with what happened and the fix.  Graph breaks and recompiles are dynamo's counters (``_compat``).
+No silent eager fall-back: a unit's forward goes through a probe whose body runs only when dynamo did not
+run compiled code for that call (a skipped frame, the recompile limit); it warns once per class with the
+cause and the fix.
 """
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def _warn_eager(module: nn.Module) -> None:
     _WARNED.add(cls)
     reasons = [k.split("\n")[0] for k in dynamo_counters()["unimplemented"]]
     if any("recompile limit" in r for r in reasons):
-        what = (f"dynamo hit its recompile limit (torch._dynamo.config.recompile_limit = "
-                f"{torch._dynamo.config.recompile_limit}) on {cls}.forward: it compiled one graph per layer. Usually "
+        what = (f"dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) on {cls}.forward: it "
+                "compiled one graph per layer, usually for "
                 "a layer index read as a constant (HF models with use_cache=True: the KV cache). Fix: use_cache=False "
                 "for training (model.config.use_cache = False), or torch._dynamo.config.allow_unspec_int_on_nn_module "
                 "= True (the index becomes an input); TORCH_LOGS=recompiles shows the guard that failed")

@@ -271,6 +271,7 @@ def _assert_like_ddp(ref, ours, proc, processes):
     assert max_abs_diff(ours["losses"], ref["losses"]) < TOL
     assert max_abs_diff(ours["grad_norms"], ref["grad_norms"]) < TOL
     assert abs(ours["eval"]["loss"] - ref["eval"]["loss"]) < TOL
+    assert ours["dynamo_graphs"] > 0 and ref["dynamo_graphs"] > 0
     assert "runs eagerly" not in proc.stderr
 
 
@@ -315,3 +316,25 @@ def test_accelerate_launch_compiled_matches_ddp_matrix(tmp_path, regional, proce
         pytest.skip("the default test_accelerate_launch_compiled_matches_ddp")
     ref, ours, proc = _launch_pair(tmp_path, regional, processes)
     _assert_like_ddp(ref, ours, proc, processes)
+
+
+@pytest.mark.slow
+def test_trainer_torch_compile_trains_sharded_like_ddp(tmp_path):
+    """The README's Trainer path with ``TrainingArguments(torch_compile=True)`` (accelerate's whole-model
+    compile; inductor) through ``-m accel_flatshard.run`` and the README yaml: sharded, DDP + torch_compile's
+    losses within 1e-5, no unit eager."""
+    from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, read_json
+
+    results = {}
+    for name, config, ddp in (("ddp", ddp_config(tmp_path), True), ("ours", CPU_FSDP_YAML, False)):
+        out = tmp_path / name
+        proc = launch(config, SCRIPTS / "trainer_causal_lm.py",
+                      ["--output_dir", str(out / "run"), "--output_json", str(out / "result.json"), "--steps",
+                       str(STEPS), "--torch_compile"], via_run=not ddp, ddp=ddp, timeout=900)
+        results[name] = read_json(out / "result.json")
+    ours, ref = results["ours"], results["ddp"]
+    assert ours["distributed_type"] == "DistributedType.FSDP" and ours["world_size"] == 2
+    assert sum(ours["local_trainable_numel"]) == ours["total_trainable_numel"]  # 1-D shards
+    assert len(ours["losses"]) == STEPS and ours["dynamo_graphs"] > 0 and ref["dynamo_graphs"] > 0
+    assert max(abs(ours["losses"][k] - ref["losses"][k]) for k in ref["losses"]) < TOL
+    assert "runs eagerly" not in proc.stderr

@@ -213,6 +213,7 @@ def main(argv=None, accelerator_cls=None):
     result["logits"] = logits[0, :4, :8].tolist()
     result["logits_full_sum"] = float(logits.double().sum())
     result["hook_calls"] = hook_calls
+    result["dynamo_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # > 0: something was compiled
 
     if args.save_pretrained_dir:
         accelerator.wait_for_everyone()
