@@ -3,7 +3,7 @@
 * ``regional=True`` (accelerate's ``use_regional_compilation``, torchtitan's recipe): each inner unit's
   ``forward`` (a transformer block) is compiled *inside* the unit's hooks: gather, view install and free run
   eagerly around it, and the compiled code reads the parameters as plain views of the gathered flat buffer.
-  Blocks of one class share one graph.  Measured faster than compiling each block's whole ``__call__``
+  Blocks of one class share one graph.  Measured never slower than compiling each block's whole ``__call__``
   (``module.compile()``, the same as compiling the blocks before wrapping): README "torch.compile".
 * ``regional=False``: ``model.compile()`` in place (the wrapper keeps its class); dynamo breaks the graph
   at the units' hooks (``unit.py`` disables them for dynamo), i.e. only at unit boundaries.
@@ -61,7 +61,7 @@ def _probe_for(cls: type) -> Callable:
 
 
 def _forward_probe(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if not torch.compiler.is_compiling():  # False at trace time: compiled code never runs this branch
+    if not torch.compiler.is_compiling():  # True while dynamo traces: compiled code has no such branch
         _warn_eager(module)
     return type(module).forward(module, *args, **kwargs)
 
@@ -71,13 +71,13 @@ def _warn_eager(module: nn.Module) -> None:
     if cls in _WARNED:
         return
     _WARNED.add(cls)
-    reasons = [k.split("\n")[0] for k in dynamo_counters()["unimplemented"]]
+    reasons = [k.split("\n")[0] for k in dynamo_counters()["unimplemented"] if "compiler.disable" not in k]
     if any("recompile limit" in r for r in reasons):
-        what = (f"dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) on {cls}.forward: it "
-                "compiled one graph per layer, usually for "
-                "a layer index read as a constant (HF models with use_cache=True: the KV cache). Fix: use_cache=False "
-                "for training (model.config.use_cache = False), or torch._dynamo.config.allow_unspec_int_on_nn_module "
-                "= True (the index becomes an input); TORCH_LOGS=recompiles shows the guard that failed")
+        what = ("dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) and runs what is past it "
+                "eagerly (TORCH_LOGS=recompiles names the function and the failing guard). Usual causes: a layer "
+                "index read as a constant, i.e. HF models with use_cache=True (fix: use_cache=False for training, "
+                "or torch._dynamo.config.allow_unspec_int_on_nn_module = True); new input shapes with dynamic=False "
+                "(fix: fixed shapes, or dynamic unset)")
     else:
         what = (f"dynamo did not compile {cls}.forward ({'; '.join(reasons) or 'compilation disabled'}). "
                 "TORCH_LOGS=graph_breaks shows where; fullgraph=True makes it an error")

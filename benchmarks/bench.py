@@ -1,6 +1,6 @@
 """Side-by-side training-step benchmark: accel_flatshard vs torch FSDP1 / FSDP2 / DDP / no communication.
 
-    .venv/bin/python benchmarks/bench.py            # (make bench) llama-40M + gpt2-5M, W=2, CPU/gloo, ~2.5 min idle
+    .venv/bin/python benchmarks/bench.py            # (make bench) llama-40M + gpt2-5M, W=2, CPU/gloo, ~6 min (compile rows)
     .venv/bin/python benchmarks/bench.py --quick    # same rows, 5 timed steps: ~1.5-2 min
     .venv/bin/python benchmarks/bench.py --rows llama-5M,gpt2-40M,llama-150M --steps 6
     .venv/bin/python benchmarks/bench.py --world-size 4        # oversubscribes a 2-core host
@@ -351,7 +351,7 @@ def format_table(results: List[dict], args, world: int, device: torch.device, fa
         f"per-rank batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warmup, "
         f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus; '+compile' rows: each block compiled "
         "(regional, inductor; the first step compiles, in warmup) and their 'vs DDP' / 'vs FSDP2' / Δloss are against "
-        "ddp+compile / fsdp2+compile; step peak = "
+        "ddp+compile / fsdp2+compile (no-comm is eager); step peak = "
         + ("max_memory_allocated - allocated before the step" if device.type == "cuda" else "VmHWM - VmRSS before the step")
     )
     return head + "\n\n" + "\n".join(lines)

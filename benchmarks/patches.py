@@ -201,6 +201,18 @@ def compile_whole(wrapped) -> None:
     compile_model(wrapped, regional=False)
 
 
+def no_dynamo_disable(wrapped) -> None:
+    """The engine before issue 24: unit hooks without ``torch.compiler.disable`` (eager cost of the wrapper)."""
+    for unit in wrapped.units:
+        for h in unit._handles[:2]:
+            h.remove()
+        unit._handles[:2] = [
+            unit.module.register_forward_pre_hook(types.MethodType(type(unit)._pre_forward_hook.__wrapped__, unit),
+                                                  prepend=True, with_kwargs=True),
+            unit.module.register_forward_hook(types.MethodType(type(unit)._post_forward_hook.__wrapped__, unit)),
+        ]
+
+
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -222,6 +234,7 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "compile": ("post", compile_regional),
     "compilecall": ("post", compile_blocks_call),
     "compilewhole": ("post", compile_whole),
+    "nodisable": ("post", no_dynamo_disable),
 }
 
 
