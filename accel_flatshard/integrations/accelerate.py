@@ -23,6 +23,8 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 * ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
   the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
   accelerate's own and work unchanged.
+* ``dynamo_backend`` compiles the sharded model (each unit's forward inside its hooks, or the whole model
+  with graph breaks at the hooks: ``compilation.py``) instead of being refused.
 * ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``: an inf/nan in any rank's gradient
   shard skips the step on every rank (also on CPU, where accelerate would silently run fp32).
 
