@@ -129,6 +129,8 @@ class Unit:
         return all(f.is_unsharded for f in self.flat_params)
 
     # ------------------------------------------------------------------ forward
+    # The hooks (and read_outside_forward) are dynamo-disabled: under torch.compile they run eagerly, so the
+    # graph breaks only at unit boundaries and a compiled block sees plain views (compilation.py).
     @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any):
         if self.state == UnitState.SUMMONED:
