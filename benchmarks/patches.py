@@ -177,6 +177,42 @@ def no_outside_reads(wrapped) -> None:
             module.__class__ = module.__class__.__mro__[1]
 
 
+def compile_regional(wrapped) -> None:
+    """What prepare does for accelerate's use_regional_compilation (accel_flatshard.compilation): each
+    block's forward compiled inside its unit's hooks (gather, views, free run eagerly around it)."""
+    from accel_flatshard.compilation import compile_model
+
+    compile_model(wrapped, regional=True)
+
+
+def compile_blocks_call(wrapped) -> None:
+    """The other placement: each block compiled whole, ``module.compile()`` in place, as accelerate does for
+    FSDP2 and DeepSpeed (the same as compiling the blocks before wrapping): dynamo's frame is entered
+    around the hooks, which ``unit.py`` disables for dynamo."""
+    for unit in wrapped.units:
+        if not unit.is_root:
+            unit.module.compile()
+
+
+def compile_whole(wrapped) -> None:
+    """Whole-model compile in place (graph breaks at every unit's hooks)."""
+    from accel_flatshard.compilation import compile_model
+
+    compile_model(wrapped, regional=False)
+
+
+def no_dynamo_disable(wrapped) -> None:
+    """The engine before issue 24: unit hooks without ``torch.compiler.disable`` (eager cost of the wrapper)."""
+    for unit in wrapped.units:
+        for h in unit._handles[:2]:
+            h.remove()
+        unit._handles[:2] = [
+            unit.module.register_forward_pre_hook(types.MethodType(type(unit)._pre_forward_hook.__wrapped__, unit),
+                                                  prepend=True, with_kwargs=True),
+            unit.module.register_forward_hook(types.MethodType(type(unit)._post_forward_hook.__wrapped__, unit)),
+        ]
+
+
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -195,6 +231,10 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "headinroot": ("kw", head_in_root),
     "fusedhead": ("kw", fused_head),
     "noreads": ("post", no_outside_reads),
+    "compile": ("post", compile_regional),
+    "compilecall": ("post", compile_blocks_call),
+    "compilewhole": ("post", compile_whole),
+    "nodisable": ("post", no_dynamo_disable),
 }
 
 

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ONE_GPU_PARTS = ("nccl-1gpu", "w1", "leak", "offload-w1", "fake-w8", "offload-fake-w8")
+ONE_GPU_PARTS = ("nccl-1gpu", "w1", "compile", "leak", "planner", "offload-w1", "fake-w8", "offload-fake-w8")  # run order
 
 
 def _run_script(tmp_path, **env):
     env = dict(os.environ, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1", **env)
     return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=900)
 
 
 def _summary(tmp_path):
@@ -26,7 +26,6 @@ def test_gpu_check_sh_cpu_smoke_passes(tmp_path):
     summary = _summary(tmp_path)
     for part in ONE_GPU_PARTS:
         assert summary[part].startswith("PASS"), (part, summary)
-    assert summary["planner"].startswith("NOT YET") and summary["compile"].startswith("NOT YET")
     assert "gpu_check nccl-1gpu: PASS" in proc.stdout and "gpu_check.sh: PASS" in proc.stdout
 
 

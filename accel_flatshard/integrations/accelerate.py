@@ -23,6 +23,8 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 * ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
   the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
   accelerate's own and work unchanged.
+* ``dynamo_backend`` compiles the sharded model (each unit's forward inside its hooks, or the whole model
+  with graph breaks at the hooks: ``compilation.py``) instead of being refused.
 * ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``: an inf/nan in any rank's gradient
   shard skips the step on every rank (also on CPU, where accelerate would silently run fp32).
 
@@ -46,6 +48,7 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from .. import options
+from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
 from ..wrap import checkpoint_units
@@ -190,11 +193,6 @@ class Accelerator(_BaseAccelerator):
             model._is_accelerate_prepared = True
             return model
         _check_not_wrapped_elsewhere(model)
-        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            raise ValueError(
-                "torch.compile (dynamo_backend) is not supported together with accel_flatshard; set "
-                "`dynamo_backend: 'NO'` in the accelerate config"
-            )
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
         skeleton = None
@@ -209,6 +207,7 @@ class Accelerator(_BaseAccelerator):
             _apply_activation_checkpointing(wrapped)
         if skeleton is not None:
             warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp, available_bytes)
+        _compile_per_dynamo_plugin(wrapped, self.state.dynamo_plugin)  # after checkpointing, as accelerate does
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
         return wrapped
@@ -416,6 +415,20 @@ def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
     if not checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
         warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
                       "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=3)
+
+
+def _compile_per_dynamo_plugin(wrapped: FullyShardedDataParallel, plugin: Any) -> None:
+    """accelerate's ``dynamo_backend`` / ``dynamo_config``: ``use_regional_compilation`` compiles each inner
+    unit's forward inside its hooks, otherwise the whole model is compiled with graph breaks at the units'
+    hooks (``compilation.py``); ``mode`` / ``fullgraph`` / ``dynamic`` / ``options`` go to torch.compile."""
+    if plugin.backend == DynamoBackend.NO:
+        return
+    kwargs = plugin.to_kwargs()
+    if kwargs.get("fullgraph") and not plugin.use_regional_compilation:
+        raise ValueError("dynamo_config: fullgraph=True cannot hold for a whole accel_flatshard model (its units' "
+                         "gather/free hooks break the graph); set use_regional_compilation: true (one full "
+                         "graph per block) or fullgraph: false")
+    compile_model(wrapped, regional=bool(plugin.use_regional_compilation), **kwargs)
 
 
 def register() -> None:
