@@ -1,20 +1,13 @@
-"""``accel-flatshard``: offline tools for sharded checkpoints (no process group, no GPU needed).
+"""``accel-flatshard``: offline tools for sharded checkpoints (no process group, no GPU needed), and the planner.
 
-Commands (CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by
-``accelerator.save_state``, which holds ``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
+CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by ``accelerator.save_state``
+(``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
 
-    accel-flatshard inspect CKPT_DIR [--json]
-        keys, shapes, dtypes, the world size it was saved at, total size; for a save_state
-        directory: its model(s), optimizer(s) and accelerate's other files
-    accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]
-        model checkpoint -> Hugging Face model.safetensors (or shards + index)
+    accel-flatshard inspect CKPT_DIR [--json]       # keys, shapes, dtypes, saved world size, sizes (a
+                                                    # save_state directory: its models, optimizers, other files)
+    accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]   # -> HF safetensors
     accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S [--device_memory 80GiB]
-        each rank's peak memory in a training step, before the launch (``accel_flatshard/plan``)
-
-Example::
-
-    accel-flatshard consolidate ckpt/model hf_out --max-shard-size 2GB
-    python -c "from transformers import AutoConfig; AutoConfig.from_pretrained('gpt2').save_pretrained('hf_out')"
+                                                    # each rank's peak memory in a step (``accel_flatshard/plan``)
 """
 from __future__ import annotations
 
@@ -27,55 +20,47 @@ __all__ = ["main"]
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
-    return f"{n} B"
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import read_checkpoint_info
-    from .checkpoint.save_state_dir import is_save_state_dir
-
-    if is_save_state_dir(args.checkpoint):
-        return _inspect_save_state(args)
-    info = read_checkpoint_info(args.checkpoint)
-    if args.json:
-        print(json.dumps(info, indent=1, default=str))
-        return 0
-    source = info.get("model_class") or "?"
-    if info.get("optimizer_class"):
-        source = f"{info['optimizer_class']} for {source}"
-    print(f"checkpoint: {info['directory']}")
-    print(f"kind: {info['kind']} ({source})")
-    print(f"saved at world size {info['world_size']} (shard group size {info['shard_size']}), "
-          f"torch {info.get('torch_version')}, {info.get('saved_at')}")
-    print(f"tensors: {len(info['tensors'])}, {_human(info['total_bytes'])} of tensor data, "
-          f"{_human(info['file_bytes'])} on disk")
-    _print_tensors(info["tensors"])
-    if info.get("param_groups"):
-        for g, group in enumerate(info["param_groups"]):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            print(f"param_groups[{g}]: {len(group.get('params', []))} params, {hyper}")
-    return 0
+    return f"{n:.2f} TB"
 
 
 def _print_tensors(tensors: dict, indent: str = "") -> None:
     rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for name, d in tensors.items()]
     width = max([len(r[0]) for r in rows] + [4])
-    print(f"{indent}{'name':<{width}}  {'shape':<16} {'dtype':<10} kind")
-    for name, shape, dtype, kind in rows:
-        print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}")
+    for name, shape, dtype, kind in [("name", "shape", "dtype", "kind")] + rows:
+        print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}".rstrip())
 
 
-def _inspect_save_state(args: argparse.Namespace) -> int:
-    from .checkpoint.save_state_dir import read_save_state_info
+def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import read_checkpoint_info
+    from .checkpoint.save_state_dir import is_save_state_dir, read_save_state_info
 
-    info = read_save_state_info(args.checkpoint)
+    save_state = is_save_state_dir(args.checkpoint)
+    info = (read_save_state_info if save_state else read_checkpoint_info)(args.checkpoint)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
-        return 0
+    elif save_state:
+        _print_save_state(info)
+    else:
+        source = info.get("model_class") or "?"
+        if info.get("optimizer_class"):
+            source = f"{info['optimizer_class']} for {source}"
+        print(f"checkpoint: {info['directory']}\nkind: {info['kind']} ({source})")
+        print(f"saved at world size {info['world_size']} (shard group size {info['shard_size']}), "
+              f"torch {info.get('torch_version')}, {info.get('saved_at')}")
+        print(f"tensors: {len(info['tensors'])}, {_human(info['total_bytes'])} of tensor data, "
+              f"{_human(info['file_bytes'])} on disk")
+        _print_tensors(info["tensors"])
+        for g, group in enumerate(info.get("param_groups") or []):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            print(f"param_groups[{g}]: {len(group.get('params', []))} params, {hyper}")
+    return 0
+
+
+def _print_save_state(info: dict) -> None:
     print(f"accelerator.save_state directory: {info['directory']}")
     for entry in info["models"] + info["optimizers"]:
         kind = "model" if entry in info["models"] else "optimizer"
@@ -83,27 +68,22 @@ def _inspect_save_state(args: argparse.Namespace) -> int:
                   if entry["layout"] == "sharded" else "full file")
         source = entry.get("optimizer_class") or entry.get("model_class")
         print(f"{kind} {entry['name']}: {layout}{f', {source}' if source else ''}, {_human(entry['file_bytes'])} on disk")
-        if "tensors" in entry and kind == "model":
-            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data")
-            _print_tensors(entry["tensors"], indent="  ")
-        elif "tensors" in entry:
-            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data "
-                  f"(`accel-flatshard inspect {entry['path']}` lists them)")
+        if "tensors" in entry:
+            print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data" +
+                  ("" if kind == "model" else f" (`accel-flatshard inspect {entry['path']}` lists them)"))
+            if kind == "model":
+                _print_tensors(entry["tensors"], indent="  ")
     print("other files:")
     for name, size in info["other"].items():
         print(f"  {name:<32} {_human(size)}")
-    return 0
 
 
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
     from .checkpoint.save_state_dir import consolidate_save_state, is_save_state_dir
 
-    if is_save_state_dir(args.checkpoint):
-        consolidate = consolidate_save_state  # noqa: F811 - the model inside the save_state directory
-    files = consolidate(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
-                        verify_checksums=not args.no_verify)
-    for f in files:
+    run = consolidate_save_state if is_save_state_dir(args.checkpoint) else consolidate  # (its model)
+    for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, verify_checksums=not args.no_verify):
         print(f)
     return 0
 

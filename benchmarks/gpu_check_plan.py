@@ -54,7 +54,7 @@ def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, bat
                                        **opts.wrapper_kwargs())
     if opts.activation_checkpointing:
         checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=True)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=device.type == "cuda")  # (as the planner)
     batch = {k: v.to(device) for k, v in batch.items()}
     tracker = None
     for step in range(2):
@@ -90,8 +90,7 @@ def run(device: torch.device, world: int, batch_size: int, seq: int, tol: float)
         def build(family=family):
             with torch.device("meta"):
                 return model(family, small)
-        planner = Planner(build, opts, world, batch_size, make_batch, "cuda" if device.type == "cuda" else "cpu",
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5, foreach=True))
+        planner = Planner(build, opts, world, batch_size, make_batch, device.type)  # (AdamW)
         predicted = planner.predict(Config.of(opts, world, batch_size))
         real = measured_peak(family, opts, device, make_batch(batch_size), small)
         err = (predicted.peak_bytes - real) / real

@@ -80,8 +80,7 @@ class Row:
         def build() -> nn.Module:
             with torch.device("meta"):
                 return MODELS[self.model][0]()
-        return Planner(build, self.options(), self.world_size, BATCH, make_batch(self.model), device,
-                       optimizer=adamw(device))
+        return Planner(build, self.options(), self.world_size, BATCH, make_batch(self.model), device)  # AdamW
 
 
 def adamw(device: str) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:

@@ -32,17 +32,16 @@ SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def parse_size(size: Union[int, str]) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``123`` -> 123."""
+def parse_size(size: Union[int, str], name: str = "size") -> int:
+    """``"5GB"`` -> 5 * 10^9, ``"500MiB"`` or ``"80G"`` -> binary multiples, ``"1e9"`` or ``123`` -> bytes."""
     if isinstance(size, int):
         return size
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(size), re.IGNORECASE)
+    m = re.fullmatch(r"\s*([\d.e+]+)\s*([KMGT]?)(i?)(B?)\s*", str(size), re.IGNORECASE)
     if not m:
-        raise ValueError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a number of bytes")
-    unit = m.group(2).upper().rstrip("B")
-    base = 1024 if unit.endswith("I") else 1000
-    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
-    return int(float(m.group(1)) * base**power)
+        raise ValueError(f"cannot parse {name} {size!r}: expected a size such as 80GiB, 5GB, 500MiB or a number of bytes")
+    number, prefix, binary, b = m.groups()
+    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * (1000 if b and not binary else 1024) ** power)
 
 
 def read_checkpoint_info(directory: str) -> Dict[str, Any]:

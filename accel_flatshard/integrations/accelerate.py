@@ -47,7 +47,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options, plan
+from .. import options
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
@@ -195,15 +195,18 @@ class Accelerator(_BaseAccelerator):
         _check_not_wrapped_elsewhere(model)
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
-        # CUDA only (plan.available_bytes): the memory check before the first step needs the model's structure
-        skeleton = plan.meta_copy(model) if not evaluation_mode and plan.available_bytes(self.device) is not None else None
+        skeleton = None
+        if not evaluation_mode and available_bytes(self.device) is not None:  # the planner's check (plan/), CUDA only
+            from ..plan import meta_copy, warn_before_first_step
+
+            skeleton = meta_copy(model)  # (the model's structure: the prediction at the first forward needs it)
         if self.native_amp:
             _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
         if opts.activation_checkpointing and not evaluation_mode:
             _apply_activation_checkpointing(wrapped)
         if skeleton is not None:
-            plan.warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp)
+            warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp, available_bytes)
         _compile_per_dynamo_plugin(wrapped, self.state.dynamo_plugin)  # after checkpointing, as accelerate does
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
@@ -327,6 +330,13 @@ class Accelerator(_BaseAccelerator):
 
 
 # ---------------------------------------------------------------------- helpers
+def available_bytes(device: torch.device) -> Optional[int]:
+    """What this process may hold on ``device``, which ``prepare``'s memory check holds the planner's prediction
+    against: CUDA's free memory plus what torch's allocator reserved.  None elsewhere: a CPU "device" is host RAM
+    shared with everything on the host (page cache, overcommit, swap), no budget, so nothing is checked there."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) if device.type == "cuda" else None
+
+
 def _reset_state_set_up_without_backend() -> None:
     """Undo a shared accelerate state that was set up without a backend although W > 1 processes run.
 

@@ -2,20 +2,20 @@
 
 The model is built on the meta device and sharded on paper by ``prepare``'s own code (``wrap.select_units``,
 ``fully_sharded._assign_owners``, ``FlatParamLayout``, the options of ``integrations/config.py``).  Activations
-are measured: one forward and backward of the model class on fake tensors (no data) at one rank's
-micro-batch, in the compute dtype, with the engine's flat views, while a dispatch mode records the live
-storage bytes after every op and hooks mark each unit's forward, backward and flat gradients (a trace).
-The engine's buffers are replayed over the trace by the rules of ``engine.py`` and ``unit.py`` (gathers,
-prefetch, pending reductions, reduced shards, mixed-precision and offload copies; on CUDA the host runs
-ahead of the GPU, so freed buffers wait for a free event), on top of the shards, buffers and optimizer
-state (two fake steps).  The recommendation ranks what fits by :func:`step_time`; the command line is
-``__main__.py``.
+are measured: one forward and backward of the model class on fake tensors at one rank's micro-batch, in the
+compute dtype, with the engine's flat views, while a dispatch mode records the live storage bytes after every
+op and hooks mark each unit's forward, backward and flat gradients (a trace).  :func:`_replay` holds the
+engine's buffers over the trace by the rules of ``engine.py`` and ``unit.py``, on top of the shards, buffers
+and optimizer state (two fake steps).  :func:`recommend` ranks what fits by :func:`step_time`; the command
+line is ``__main__.py``.
 """
 from __future__ import annotations
 
 import collections
 import copy
 import dataclasses
+import functools
+import inspect
 import itertools
 import warnings
 import weakref
@@ -26,13 +26,13 @@ import torch.nn as nn
 
 from .._compat import FakeTensorMode, TorchDispatchMode, fake_mode_with_scalars, inside_backward_pass, map_tensors
 from .._compat import tensors_in
+from ..engine import Engine
 from ..flat_param import FlatParameter, FlatParamLayout
 from ..fully_sharded import _assign_owners
 from ..integrations.config import FlatShardOptions
 from ..wrap import checkpoint_units, select_units
 
-MAX_PENDING_REDUCTIONS = 2  # the engine's (Engine(max_pending_reductions=2); the wrapper keeps the default)
-GiB = 2**30
+MAX_PENDING_REDUCTIONS = inspect.signature(Engine).parameters["max_pending_reductions"].default  # (the wrapper's)
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
 # links inside and between nodes, PCIe, the host's optimizer step (state bytes/s), one unit's pass per micro-step.
 HARDWARE = {"flops": 300e12, "intra_node": 150e9, "inter_node": 25e9, "pcie": 25e9, "host_step": 4e9,
@@ -66,6 +66,14 @@ class Config:
             return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
 
+    def describe(self, world_size: int) -> str:
+        prefetch = "+".join(filter(None, ["forward" if self.forward_prefetch else "", self.backward_prefetch])) or "off"
+        onoff = lambda flag: "on" if flag else "off"  # noqa: E731
+        accumulation = f" ({self.accumulation})" if self.accumulation != "none" else ""
+        return (f"{self.strategy(world_size)} group {self.shard_size}, prefetch {prefetch}, limit_all_gathers "
+                f"{self.limit_all_gathers}, AC {onoff(self.checkpointing)}, offload {onoff(self.offload)}, micro-batch "
+                f"{self.micro_batch}{accumulation}")
+
 
 @dataclasses.dataclass
 class Prediction:
@@ -74,20 +82,19 @@ class Prediction:
     parts: Dict[str, int]  # what is held at the peak, by kind
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Flat:
-    """Bytes of one flat parameter on rank 0 (the fullest shard)."""
+    """Bytes of one flat parameter on rank 0 (the fullest shard); those of its reduction are 0 when frozen."""
 
-    gathered: int  # unsharded buffer (compute dtype)
+    gathered: int  # unsharded buffer, and the flat gradient (compute dtype)
     shard: int  # local shard (parameter dtype)
     copy: int  # the shard cast to the compute dtype for its all-gather (0 without mixed precision)
+    full_reduce: int  # the flat gradient in the reduce dtype
+    shard_reduce: int  # reduced shard (reduce dtype)
+    convert: bool  # the reduced shard is cast to the parameter dtype at the end of backward
     trainable: bool
     dtype: torch.dtype
     pieces: Tuple[int, ...]  # elements of each parameter in the shard (the optimizer state's sizes)
-    full: int = 0  # flat gradient (compute dtype)
-    full_reduce: int = 0  # ... in the reduce dtype
-    shard_reduce: int = 0  # reduced shard (reduce dtype)
-    convert: bool = False  # the reduced shard is cast to the parameter dtype at the end of backward
 
 
 class _Trace(TorchDispatchMode):
@@ -124,36 +131,20 @@ class _Trace(TorchDispatchMode):
         return [self.samples[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def _interpolate(a: _Trace, b: _Trace, t: float) -> Optional[_Trace]:
-    """The trace at ``a + t (b - a)``: every storage is affine in the micro-batch, so op by op where both have
-    the same ops between two events; elsewhere the interpolated maximum (an upper bound: a maximum of
-    affine functions is convex).  None when the units' events differ."""
-    if [e[:2] for e in a.events] != [e[:2] for e in b.events]:
-        return None
-    out, lerp = _Trace(), lambda x, y: round(x + t * (y - x))
-    for e, f, pa, pb in zip(a.events, b.events, a.pieces(), b.pieces()):
-        out.events.append(e[:2] + (len(out.samples), lerp(e[3], f[3])) + e[4:])
-        out.samples += [lerp(x, y) for x, y in zip(pa, pb)] if len(pa) == len(pb) else \
-            [lerp(max(pa, default=e[3]), max(pb, default=f[3]))]
-    return out
-
-
 class Planner:
     """One rank's peak for a model (``build()``: a fresh meta-device model), options and per-device batch.
 
     ``make_batch(n)``: the forward's inputs for ``n`` samples (a dict of keyword arguments, a tuple, or an
     ``(args, kwargs)`` pair; under fake tensors); the loss is the output's ``.loss``, else the output (summed).
     ``device``: "cuda", or "cpu" (gloo point-to-point, no stream lag); ``autocast``: accelerate's
-    ``mixed_precision`` also autocasts the forward; ``optimizer(params)``: default AdamW (foreach on CUDA)."""
+    ``mixed_precision`` also autocasts the forward; ``optimizer``: a torch.optim class (foreach on CUDA)."""
 
     def __init__(self, build: Callable[[], nn.Module], options: FlatShardOptions, world_size: int, batch_size: int,
                  make_batch: Callable[[int], Any], device: str = "cuda", autocast: bool = False,
-                 optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None,
-                 num_machines: int = 1, tokens: int = 1) -> None:
+                 optimizer: type = torch.optim.AdamW, num_machines: int = 1, tokens: int = 1) -> None:
         self.build, self.options, self.world_size, self.batch_size = build, options, world_size, batch_size
-        self.make_batch, self.device, self.autocast, self.num_machines = make_batch, device, autocast, num_machines
-        self.tokens = tokens  # per sample, for the cost model
-        self.optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=device == "cuda"))
+        self.make_batch, self.device, self.autocast, self.optimizer = make_batch, device, autocast, optimizer
+        self.num_machines, self.tokens = num_machines, tokens  # (tokens per sample: for the cost model)
         mp = options.mixed_precision
         self.param_dtype, self.buffer_dtype = (mp.param_dtype, mp.buffer_dtype) if mp else (None, None)
         self.reduce_dtype = mp.effective_reduce_dtype if mp else None
@@ -161,66 +152,55 @@ class Planner:
         self.class_name, self.numel = type(model).__name__, sum(p.numel() for p in model.parameters())
         self.buffer_bytes = sum(b.numel() * (self.buffer_dtype or b.dtype).itemsize if b.is_floating_point()
                                 else b.nbytes for b in model.buffers())
-        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        self.names = [names[id(m)] or "<root>" for m in self._units(model)]
-        self._layouts: Dict[int, List[List[_Flat]]] = {}
-        self._traces: Dict[Tuple[bool, int], _Trace] = {}
-        self._optimizer: Dict[int, Tuple[int, int]] = {}
+        units, names = self._units(model), {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.names = [names[id(m)] or "<root>" for m in units]
+        # per unit (root first, as the wrapper builds them), its flat parameters: fqns, shapes, dtype, requires_grad
+        self._groups = [[(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad) for ps, fqns, _ in groups]
+                        for groups in _assign_owners(model, units)[0].values()]
+        for name in ("layout", "trace", "optimizer_bytes"):  # computed once per planner and argument
+            setattr(self, name, functools.lru_cache(maxsize=None)(getattr(self, name)))
 
     def _units(self, model: nn.Module) -> List[nn.Module]:
         return select_units(model, self.options.auto_wrap_policy(model))
 
     def layout(self, shard_size: int) -> List[List[_Flat]]:
-        """Per unit (root first, as the wrapper builds them), its flat parameters at this shard group size."""
-        if shard_size not in self._layouts:
-            model = self.build()
-            owned, _ = _assign_owners(model, self._units(model))
-            self._layouts[shard_size] = [[self._flat(params, fqns, shard_size) for params, fqns, _ in groups]
-                                         for groups in owned.values()]
-        return self._layouts[shard_size]
+        """Per unit, its flat parameters at this shard group size."""
+        return [[self._flat(*group, shard_size) for group in groups] for groups in self._groups]
 
-    def _flat(self, params: List[nn.Parameter], fqns: List[str], shard_size: int) -> _Flat:
-        layout = FlatParamLayout(fqns, [p.shape for p in params], shard_size)
-        dtype = params[0].dtype
+    def _flat(self, fqns: List[str], shapes: List[torch.Size], dtype: torch.dtype, trainable: bool,
+              shard_size: int) -> _Flat:
+        layout = FlatParamLayout(fqns, shapes, shard_size)
         compute = self.param_dtype or dtype
         reduce = self.reduce_dtype or compute
         n, s = layout.padded_numel, layout.shard_numel
-        flat = _Flat(n * compute.itemsize, s * dtype.itemsize, s * compute.itemsize if compute != dtype else 0,
-                     params[0].requires_grad, dtype, tuple(p.length for p in layout.shard_pieces(0)))
-        if flat.trainable:
-            flat.full, flat.full_reduce, flat.shard_reduce = n * compute.itemsize, n * reduce.itemsize, s * reduce.itemsize
-            flat.convert = reduce != dtype
-        return flat
+        return _Flat(n * compute.itemsize, s * dtype.itemsize, s * compute.itemsize if compute != dtype else 0,
+                     trainable * n * reduce.itemsize, trainable * s * reduce.itemsize, trainable and reduce != dtype,
+                     trainable, dtype, tuple(p.length for p in layout.shard_pieces(0)))
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake CPU tensor for a meta parameter or buffer, in the dtype the wrapper computes in."""
+        dtype = self.param_dtype if isinstance(t, nn.Parameter) else self.buffer_dtype
+        return torch.empty(t.shape, dtype=dtype if dtype and t.is_floating_point() else t.dtype)
 
     def trace(self, checkpointing: bool, micro_batch: int) -> _Trace:
-        """The activation trace at this micro-batch (measured at 1 and at the batch, interpolated between)."""
-        key = (checkpointing, micro_batch)
-        if key not in self._traces:
-            ends = (self.trace(checkpointing, 1), self.trace(checkpointing, self.batch_size)) \
-                if micro_batch not in (1, self.batch_size) else None
-            t = (micro_batch - 1) / max(1, self.batch_size - 1)
-            self._traces[key] = (ends and _interpolate(*ends, t)) or self._measure(*key)
-        return self._traces[key]
-
-    def _measure(self, checkpointing: bool, micro_batch: int) -> _Trace:
-        model = self.build()
-        units = self._units(model)
+        """The activation trace of one forward and backward at this micro-batch."""
         try:
+            meta = self.build()
             with FakeTensorMode(allow_non_fake_inputs=True):
-                _to_fake(model, self.param_dtype, self.buffer_dtype)
+                model = _copy(meta, self._fake)
+                units = self._units(model)
                 owned, _ = _assign_owners(model, units)
-                flats = {id(m): [FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units}
+                flats = [[FlatParameter(ps, fqns, users, 0, 1) for ps, fqns, users in owned[id(m)]] for m in units]
                 if checkpointing:
                     checkpoint_units(model, units)
-                unsharded = [f.alloc_unsharded() for fs in flats.values() for f in fs]  # gathered for good, not counted
+                unsharded = [f.alloc_unsharded() for fs in flats for f in fs]  # gathered for good, not counted
                 trace = _Trace([*model.parameters(), *model.buffers(), *unsharded])
-                for i, m in enumerate(units):  # (the hooks go with the model)
-                    _mark_unit(trace, i, m, flats[id(m)])
+                for i, (m, fs) in enumerate(zip(units, flats)):  # (the hooks go with the model)
+                    _mark_unit(trace, i, m, fs)
                 with trace:
-                    batch = _as_call(self.make_batch(micro_batch))
-                    mp = self.options.mixed_precision
+                    batch = _as_call(self.make_batch(micro_batch))  # (held through the step, as by the caller)
                     args, kwargs = map_tensors(lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, batch) \
-                        if self.param_dtype and mp.cast_forward_inputs else batch  # as the root's pre-forward does
+                        if self.param_dtype and self.options.mixed_precision.cast_forward_inputs else batch  # as the root
                     with torch.autocast("cpu", self.param_dtype or torch.bfloat16, enabled=self.autocast):
                         out = model(*args, **kwargs)
                     del args, kwargs  # (the cast copies live as long as the forward keeps them)
@@ -238,48 +218,31 @@ class Planner:
 
     def optimizer_bytes(self, shard_size: int) -> Tuple[int, int]:
         """(state, more during a step) of the optimizer on rank 0's shards, from two fake steps."""
-        if shard_size not in self._optimizer:
-            sizes = [(n, f.dtype) for unit in self.layout(shard_size) for f in unit if f.trainable for n in f.pieces]
-            with fake_mode_with_scalars():
-                params = [nn.Parameter(torch.empty(n, dtype=d)) for n, d in sizes]
-                for p in params:
-                    p.grad = torch.empty_like(p)
-                optimizer = self.optimizer(params)
-                with _Trace(params + [p.grad for p in params]) as trace:
-                    optimizer.step()
-                    state, first = trace.live, len(trace.samples)
-                    optimizer.step()
-            self._optimizer[shard_size] = (state, max(trace.samples[first:], default=state) - state)
-        return self._optimizer[shard_size]
+        sizes = [(n, f.dtype) for unit in self.layout(shard_size) for f in unit if f.trainable for n in f.pieces]
+        with fake_mode_with_scalars():
+            params = [nn.Parameter(torch.empty(n, dtype=d)) for n, d in sizes]
+            for p in params:
+                p.grad = torch.empty_like(p)
+            foreach = {"foreach": self.device == "cuda"} if "foreach" in inspect.signature(self.optimizer).parameters \
+                else {}
+            optimizer = self.optimizer(params, lr=1e-4, **foreach)  # (torch's default on CUDA: the fake step is on CPU)
+            with _Trace(params + [p.grad for p in params]) as trace:
+                optimizer.step()
+                state, first = trace.live, len(trace.samples)
+                optimizer.step()
+        return state, max(trace.samples[first:], default=state) - state
 
     def predict(self, cfg: Config) -> Prediction:
         return _replay(self, cfg)
 
-    def configurations(self) -> List[Config]:
-        """Strategies and group sizes (W, a node, 1) x prefetch x limit_all_gathers x AC x offload (CUDA) x
-        micro-batches (divisors of the batch, with either kind of accumulation)."""
-        W, B = self.world_size, self.batch_size
-        groups = sorted({W} | {g for g in (max(1, W // self.num_machines), 1) if W % g == 0})
-        batches = [(m, acc) for m in range(B, 0, -1) if B % m == 0
-                   for acc in (("none",) if m == B else ("no_sync", "sync_each_batch"))]
-        knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
-                                  (False, True) if self.device == "cuda" else (False,), batches)
-        return [Config(reshard, g, prefetch, "BACKWARD_PRE" if prefetch else None, limit, ac, offload, mb, acc)
-                for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
 
-
-def _to_fake(model: nn.Module, param_dtype: Optional[torch.dtype], buffer_dtype: Optional[torch.dtype]) -> None:
-    """A meta model's tensors -> fake CPU tensors (under a FakeTensorMode) in the dtypes the wrapper computes in,
-    tied ones to one (``to_empty`` would make new, untied objects)."""
-    memo: Dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for group, dtype in ((module._parameters, param_dtype), (module._buffers, buffer_dtype)):
-            for name, t in group.items():
-                if t is not None and id(t) not in memo:
-                    new = torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                    memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-                if t is not None:
-                    group[name] = memo[id(t)]
+def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """``model`` with every parameter and buffer replaced by ``convert(tensor)`` (ties kept; the rest deep-copied)."""
+    memo: Dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        new = convert(t)
+        memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return copy.deepcopy(model, memo)
 
 
 def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> None:
@@ -288,28 +251,26 @@ def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatPar
     the same nodes in the same order), with marks: forward (or recomputation), the start of backward (the
     first gradient at an output), each flat gradient (dropped there: the replay holds it) and the end of
     the unit's backward (its last gradient; a frozen unit: its inputs' gradients, the reshard-only hook)."""
-    trainable = [f for f in flats if f.requires_grad]
-    arrived: List[FlatParameter] = []
+    trainable, arrived = [f for f in flats if f.requires_grad], []
 
-    def install() -> None:
+    def views(installed: bool) -> None:
         for f in flats:
-            f.install_views(f.unsharded_views())
+            f.install_views(f.unsharded_views()) if installed else f.uninstall_views()
 
     def done(*_: Any) -> None:
-        for f in flats:
-            f.uninstall_views()
+        views(False)
         trace.mark("done", index)
 
     def pre(mod: nn.Module, args: Any) -> None:
-        trace.mark("recompute" if inside_backward_pass() else "fwd", index)
-        if not inside_backward_pass():
-            install()
+        recompute = inside_backward_pass()
+        trace.mark("recompute" if recompute else "fwd", index)
+        if not recompute:
+            views(True)
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         if inside_backward_pass():
             return
-        for f in flats:
-            f.uninstall_views()
+        views(False)
         trace.mark("fwd_end", index)
         outs, ins = [t for t in tensors_in(out) if t.requires_grad], [t for t in tensors_in(args) if t.requires_grad]
         if outs:
@@ -320,7 +281,7 @@ def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatPar
     def backward(grad: Any) -> None:
         trace.mark("bwd", index)
         with torch.enable_grad():
-            install()
+            views(True)
 
     def grad_arrived(flat: FlatParameter) -> None:
         flat.unsharded.grad = None
@@ -347,13 +308,15 @@ def _as_call(batch: Any) -> Tuple[tuple, dict]:
 def _loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is None:
-        loss = out.to_tuple()[0] if hasattr(out, "to_tuple") else out[0] if isinstance(out, (tuple, list)) else out
+        loss = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
     return loss if loss.dim() == 0 else loss.float().sum()
 
 
 # ---------------------------------------------------------------------- the replay
 def _replay(planner: Planner, cfg: Config) -> Prediction:
-    """One rank's memory over the step of ``cfg``: persistent state + the engine's buffers + the trace."""
+    """One rank's memory over the step of ``cfg``: persistent state + the engine's buffers + the trace (gathers,
+    prefetch, pending reductions, reduced shards, mixed-precision and offload copies; on CUDA the host runs
+    ahead of the GPU, so a freed buffer is reusable once the host waited for a later free event)."""
     units, trace = planner.layout(cfg.shard_size), planner.trace(cfg.checkpointing, cfg.micro_batch)
     cuda = planner.device == "cuda"
     on_device = not (cfg.offload and cuda)  # offload onto a GPU: shards, gradients, optimizer state on the host
@@ -364,7 +327,7 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
     base = {"parameter shards": sum(f.shard for u in units for f in u) if on_device else 0,
             "gradient shards": sum(f.shard for f in trainable) if keep_grads else 0,
             "optimizer state": state if on_device else 0, "module buffers": planner.buffer_bytes}
-    held_full = ({i: sum(f.full for f in u if f.trainable) for i, u in enumerate(units)}
+    held_full = ({i: sum(f.gathered for f in u if f.trainable) for i, u in enumerate(units)}
                  if cfg.accumulation == "no_sync" else {})  # accumulated full gradients (the last micro-step)
     order = list(dict.fromkeys(e[1] for e in trace.events if e[0] == "fwd"))
     pos = {u: i for i, u in enumerate(order)}
@@ -381,17 +344,15 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
     best = Prediction(0, "", {})
 
     def note(act: int, extra: int = 0, kind: str = "full gradients") -> None:
-        gathers = sum(gathered.values()) + sum(n for n, _ in freed) + sum(copies.values())
-        grads = sum(pending) + sum(held_full.values())
-        shards = base["gradient shards"] + held["reduced"] + held["sharded"] + lingering[0]
-        total = sum(base.values()) - base["gradient shards"] + shards + gathers + grads + act + extra
-        if total > best.peak_bytes:
+        parts = dict(base, **{
+            "gradient shards": base["gradient shards"] + held["reduced"] + held["sharded"] + lingering[0],
+            "gathered units": sum(gathered.values()) + sum(n for n, _ in freed) + sum(copies.values()),
+            "full gradients": sum(pending) + sum(held_full.values()), "activations": act, "optimizer step": 0})
+        parts[kind] += extra
+        if sum(parts.values()) > best.peak_bytes:
             phase, unit = where
-            best.peak_bytes = total
+            best.peak_bytes, best.parts = sum(parts.values()), parts
             best.where = phase if phase in ("end of backward", "optimizer step") else f"{phase} of {planner.names[unit]}"
-            best.parts = dict(base, **{"gradient shards": shards, "gathered units": gathers, "full gradients": grads,
-                                       "activations": act, "optimizer step": 0})
-            best.parts[kind] += extra
 
     def gather(u: int, act: int, keep: bool = False) -> None:
         if u in gathered:
@@ -455,12 +416,11 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
                 while len(pending) >= MAX_PENDING_REDUCTIONS:
                     pending.popleft()
                 # cast to the reduce dtype; the compute-dtype one lives until reduce_grad returns (the caller's)
-                cast = f.full if f.full_reduce != f.full else 0
-                full = f.full_reduce
+                cast = f.gathered if f.full_reduce != f.gathered else 0
                 received = 0 if cuda else f.shard_reduce * (cfg.shard_size - 1)  # gloo point-to-point
                 held_full.pop(u, None)
-                note(live, cast + full + f.shard_reduce + received + (f.shard if not on_device and f.convert else 0))
-                pending.append(full + received)
+                note(live, cast + f.full_reduce + f.shard_reduce + received + (f.shard if not on_device and f.convert else 0))
+                pending.append(f.full_reduce + received)
                 held["reduced"] += f.shard_reduce if on_device else 0
             elif kind == "done":
                 free(u)
@@ -510,8 +470,18 @@ def step_time(planner: Planner, cfg: Config) -> float:
 
 def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tuple[Config, Prediction, float]]:
     """The configurations whose predicted peak fits ``device_memory``, fastest first (:func:`step_time`); of
-    those differing only in prefetch or limit_all_gathers, the fastest."""
-    rows = ((c, planner.predict(c)) for c in planner.configurations())
+    those differing only in prefetch or limit_all_gathers, the fastest.  Tried: the strategies and group sizes
+    (W, a node, 1) x prefetch x limit_all_gathers x AC x offload (CUDA) x micro-batches (the divisors of the
+    batch, with either kind of accumulation)."""
+    W, B = planner.world_size, planner.batch_size
+    groups = sorted({W} | {g for g in (max(1, W // planner.num_machines), 1) if W % g == 0})
+    batches = [(m, acc) for m in range(B, 0, -1) if B % m == 0
+               for acc in (("none",) if m == B else ("no_sync", "sync_each_batch"))]
+    knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
+                              (False, True) if planner.device == "cuda" else (False,), batches)
+    tried = [Config(reshard, g, prefetch, "BACKWARD_PRE" if prefetch else None, limit, ac, offload, mb, acc)
+             for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
+    rows = ((c, planner.predict(c)) for c in tried)
     fits = sorted(((c, p, step_time(planner, c)) for c, p in rows if p.peak_bytes <= device_memory), key=lambda r: r[2])
     kinds = {}
     for c, p, t in fits:
@@ -535,29 +505,16 @@ def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
 
 
 # ---------------------------------------------------------------------- the check at prepare
-def available_bytes(device: torch.device) -> Optional[int]:
-    """What this process may hold on ``device``: CUDA's free memory plus what torch's allocator reserved.
-    None on other devices: a CPU "device" is host RAM shared with everything else on the host (page cache,
-    overcommit, swap), no budget to hold a prediction against, so ``prepare`` checks nothing there."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-
-
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model``'s structure on the meta device (ties kept); no data is copied."""
-    memo: Dict[int, Any] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    return _copy(model, lambda t: t.detach().to("meta"))
 
 
 def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: FlatShardOptions, world_size: int,
-                           autocast: bool) -> None:
-    """``prepare``: at the prepared model's first forward (its inputs give the batch), predict this rank's
+                           autocast: bool, available_bytes: Callable[[torch.device], int]) -> None:
+    """``prepare`` (CUDA): at the prepared model's first forward (its inputs give the batch), predict this rank's
     peak (``skeleton``: :func:`meta_copy` of the model before wrapping) and warn once if it exceeds
-    :func:`available_bytes`, with the fastest configuration predicted to fit.  A warning, not an error:
+    ``available_bytes(device)``, with the fastest configuration predicted to fit.  A warning, not an error:
     the prediction may be pessimistic (it assumes the host runs ahead of the GPU)."""
     device = wrapped._root.engine.device
 
@@ -571,15 +528,15 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
             planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast,
                               tokens=tensors[0].numel() // rows if tensors else 1)
             predicted, available = planner.predict(Config.of(options, world_size, rows)), available_bytes(device)
-            if available is None or predicted.peak_bytes <= available:
+            if predicted.peak_bytes <= available:
                 return
             fits = recommend(planner, available, limit=1)
             advice = "; ".join(settings(fits[0][0], world_size, rows)) if fits else "none of the configurations tried"
         except Exception as exc:  # noqa: BLE001 - advice only: training goes on
             warnings.warn(f"accel_flatshard: the memory prediction before the first step failed ({exc!r})")
             return
-        warnings.warn(f"accel_flatshard: predicted peak {predicted.peak_bytes / GiB:.2f} GiB per rank (in the "
-                      f"{predicted.where}) exceeds the {available / GiB:.2f} GiB available on {device}. Fastest "
+        warnings.warn(f"accel_flatshard: predicted peak {predicted.peak_bytes / 2**30:.2f} GiB per rank (in the "
+                      f"{predicted.where}) exceeds the {available / 2**30:.2f} GiB available on {device}. Fastest "
                       f"configuration predicted to fit: {advice}. `accel-flatshard plan` prints the breakdown "
                       "(the prediction may be pessimistic: on CUDA it assumes the host runs ahead of the GPU).")
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.util
 import inspect
 import json
 import os
-import re
+import runpy
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
+from ..checkpoint.consolidate import parse_size
 from ..integrations.config import options_from_launch_args
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
 
@@ -28,15 +28,10 @@ from . import HARDWARE, Config, Planner, recommend, settings, step_time
 def _function(spec: str) -> Callable:
     """``package.module:function`` or ``path/to/file.py:function``."""
     where, _, name = spec.rpartition(":")
-    if where.endswith(".py") and os.path.isfile(where):
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    if not callable(getattr(module, name, None)):
+    namespace = runpy.run_path(where) if where.endswith(".py") else vars(importlib.import_module(where))
+    if not callable(namespace.get(name)):
         raise ValueError(f"{spec}: {where} has no function {name!r}")
-    return getattr(module, name)
+    return namespace[name]
 
 
 def model_factory(spec: str) -> Callable[[], nn.Module]:
@@ -45,83 +40,63 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
     the local cache; nothing is downloaded) built by ``AutoModelForCausalLM`` (else ``AutoModel``)."""
     if ":" in spec and not os.path.isdir(spec):
         factory = _function(spec)
-        return lambda: factory_on_meta(factory)
-    import transformers
+    else:
+        import transformers
 
-    try:
-        config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--model {spec}: no module:function, no Hugging Face config here or cached ({exc})") from None
+        try:
+            config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--model {spec}: no module:function, no Hugging Face config here or cached ({exc})") from None
+
+        def factory() -> nn.Module:
+            try:
+                return transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:  # not a causal LM: the base model
+                return transformers.AutoModel.from_config(config)
 
     def build() -> nn.Module:
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:  # not a causal LM: the base model
-            return transformers.AutoModel.from_config(config)
-    return lambda: factory_on_meta(build)
-
-
-def factory_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    """``factory()`` under ``torch.device("meta")`` (parameters it made elsewhere are moved there)."""
-    with torch.device("meta"):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    return model.to("meta")
-
-
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80G`` (binary), ``80GB`` (10^9), ``512MiB``, ``1e9`` -> bytes."""
-    match = re.fullmatch(r"\s*([\d.e+]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--device_memory {text!r}: expected a size such as 80GiB, 24GB or 512MiB")
-    number, prefix, binary, b = match.groups()
-    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * (1000 if b and not binary else 1024) ** power)
-
-
-def generation_budget(planner: Planner, cfg: Config, device_memory: int) -> Tuple[int, int]:
-    """``FLATSHARD_GENERATION_BUDGET_MB`` for ``cfg``, planned the same way: what ``generate()`` may keep gathered
-    next to the shards, optimizer state and buffers (gradients are released by then) and the activations
-    of a training forward at this micro-batch (a bound for generation's activations and KV cache).
-    Returns (budget bytes, the whole model gathered: at or under the budget ``generate()`` gathers once)."""
-    parts = planner.predict(cfg).parts
-    forward = max(e[3] for e in planner.trace(cfg.checkpointing, cfg.micro_batch).events if e[0] == "fwd_end")
-    kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
-    return max(0, device_memory - kept - forward), sum(f.gathered for u in planner.layout(cfg.shard_size) for f in u)
+        with torch.device("meta"):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+        return model.to("meta")  # (parameters it made elsewhere)
+    return build
 
 
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
     """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
-    pred = planner.predict(cfg)
-    saved = [max(e[3] for e in planner.trace(ac, cfg.micro_batch).events if e[0] == "fwd_end") for ac in (False, True)]
-    prefetch = "+".join(filter(None, ["forward" if cfg.forward_prefetch else "", cfg.backward_prefetch or ""])) or "off"
+    pred, W = planner.predict(cfg), planner.world_size
+    saved = lambda ac, mb: max(e[3] for e in planner.trace(ac, mb).events if e[0] == "fwd_end")  # noqa: E731
     out: Dict[str, Any] = {
         "model": f"{planner.class_name}, {planner.numel / 1e6:,.2f} M parameters in {len(planner.names)} units "
                  f"({', '.join(planner.names[:3])}{', ..., ' + planner.names[-1] if len(planner.names) > 3 else ''})",
-        "config": f"{cfg.strategy(planner.world_size)} over {planner.world_size} ranks (shard group {cfg.shard_size}), "
-                  f"prefetch {prefetch}, limit_all_gathers {cfg.limit_all_gathers}, activation checkpointing "
-                  f"{'on' if cfg.checkpointing else 'off'}, offload {'on' if cfg.offload else 'off'}, compute in "
-                  f"{str(planner.param_dtype or 'torch.float32')[6:]}, {cfg.micro_batch} per device, {planner.device}",
-        "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
-        "activations_saved_for_backward": {"without_checkpointing": saved[0], "with_checkpointing": saved[1]}}
-    if device_memory is not None:
-        rows = recommend(planner, device_memory)
-        out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(planner.world_size),
-                   peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
-                   cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
-                       f"{k} {v:.3g}" for k, v in HARDWARE.items()))
-        if rows:
-            budget, whole = generation_budget(planner, rows[0][0], device_memory)
-            out["recommended"] = settings(rows[0][0], planner.world_size, planner.batch_size) + [
-                f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={budget // 2**20} (the whole model gathered is "
-                f"{whole / 2**20:,.1f} MiB; within the budget generate() gathers it once)"]
+        "config": f"{cfg.describe(W)}; {W} ranks, compute in {str(planner.param_dtype or 'torch.float32')[6:]}, "
+                  f"{planner.device}", "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
+        "activations_saved_for_backward": {"without_checkpointing": saved(False, cfg.micro_batch),
+                                           "with_checkpointing": saved(True, cfg.micro_batch)}}
+    if device_memory is None:
+        return out
+    rows = recommend(planner, device_memory)
+    out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(W),
+               description=c.describe(W), peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
+               cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
+                   f"{k} {v:.3g}" for k, v in HARDWARE.items()))
+    if rows:
+        # FLATSHARD_GENERATION_BUDGET_MB, planned the same way: what generate() may keep gathered next to the
+        # shards, optimizer state and buffers (gradients are released by then) and the activations of a training
+        # forward at this micro-batch (a bound for generation's activations and KV cache)
+        best, parts = rows[0][0], rows[0][1].parts
+        kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
+        budget = device_memory - kept - saved(best.checkpointing, best.micro_batch)
+        whole = sum(f.gathered for u in planner.layout(best.shard_size) for f in u)
+        out["recommended"] = settings(best, W, planner.batch_size) + [
+            f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
+            f"{whole / 2**20:,.1f} MiB; within the budget generate() gathers it once)"]
     return out
 
 
 def print_report(out: Dict[str, Any]) -> None:
-    mib, onoff = (lambda n: f"{n / 2**20:,.1f}"), (lambda b: "on" if b else "off")
-    saved = out["activations_saved_for_backward"]
+    mib, saved = (lambda n: f"{n / 2**20:,.1f}"), out["activations_saved_for_backward"]
     print(f"{out['model']}\n{out['config']}\n{'per rank':<40}{'MiB':>10}")
     for name, value in out["at_peak"].items():
         print(f"  {name + ('' if name in ('parameter shards', 'optimizer state', 'module buffers') else ' at the peak'):<38}"
@@ -132,13 +107,8 @@ def print_report(out: Dict[str, Any]) -> None:
         print(f"\nconfigurations that fit in {mib(out['device_memory'])} MiB, expected fastest first:" +
               ("" if out["fits"] else " none (more ranks, a shorter sequence or a smaller model)"))
     for i, r in enumerate(out.get("fits", [])):
-        if i == 0:
-            print(f"    {'strategy':<20}{'group':>6}{'prefetch':>9}{'limit':>6}{'AC':>5}{'offload':>8}{'micro-batch':>20}"
-                  f"{'peak MiB':>10}{'step':>8}")
-        mb = f"{r['micro_batch']}" + (f" ({r['accumulation']})" if r["accumulation"] != "none" else "")
-        print(f"  {'*' if i == 0 else ' '} {r['strategy']:<20}{r['shard_size']:>6}{onoff(r['forward_prefetch']):>9}"
-              f"{r['limit_all_gathers']:>6}{onoff(r['checkpointing']):>5}{onoff(r['offload']):>8}{mb:>20}"
-              f"{mib(r['peak_bytes']):>10}{r['step_time_s'] / out['fits'][0]['step_time_s']:>7.2f}x")
+        print(f"  {'*' if i == 0 else ' '} {r['description']}: {mib(r['peak_bytes'])} MiB, step time "
+              f"{r['step_time_s'] / out['fits'][0]['step_time_s']:.2f}x")
     if out.get("recommended"):
         print("to run the expected fastest (*), set:\n  " + "\n  ".join(out["recommended"]) + f"\nstep time: {out['cost_model']}")
 
@@ -166,22 +136,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         options, launched = options_from_launch_args(launch)
         build, W, seq = model_factory(args.model), launched.num_processes, args.seq_len
+        model = build()
         if args.make_batch:
             make_batch = _function(args.make_batch)
             batch = lambda n: make_batch(n, seq)  # noqa: E731
-        elif not hasattr(getattr(build(), "config", None), "vocab_size") or seq is None:
+        elif not hasattr(getattr(model, "config", None), "vocab_size") or seq is None:
             raise ValueError("give --seq_len (a Hugging Face model), or --make_batch for other inputs")
         else:
-            labels = "labels" in inspect.signature(build().forward).parameters
-            batch = lambda n: {k: torch.zeros(n, seq, dtype=torch.long) for k in ("input_ids", "labels")[:1 + labels]}  # noqa: E731
-        optimizer_cls = getattr(torch.optim, args.optimizer, None)
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            keys = ("input_ids", "labels")[:1 + ("labels" in inspect.signature(model.forward).parameters)]
+            batch = lambda n: {k: torch.zeros(n, seq, dtype=torch.long) for k in keys}  # noqa: E731
+        optimizer = getattr(torch.optim, args.optimizer, None)
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
             raise ValueError(f"--optimizer {args.optimizer}: not a torch.optim optimizer class")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        foreach = {"foreach": device == "cuda"} if "foreach" in inspect.signature(optimizer_cls).parameters else {}
         planner = Planner(build, options, W, args.batch_size, batch, device, launched.mixed_precision in ("bf16", "fp16"),
-                          lambda ps: optimizer_cls(ps, lr=1e-4, **foreach), launched.num_machines, seq or 1)
-        out = report(planner, Config.of(options, W, args.batch_size), parse_bytes(args.device_memory) if args.device_memory else None)
+                          optimizer, launched.num_machines, seq or 1)
+        memory = parse_size(args.device_memory, "--device_memory") if args.device_memory else None
+        out = report(planner, Config.of(options, W, args.batch_size), memory)
     except (ValueError, OSError, ImportError) as exc:
         print(f"accel-flatshard plan: error: {exc}", file=sys.stderr)
         return 1

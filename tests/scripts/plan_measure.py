@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plan_rows import _LimitedTracker  # noqa: E402
 
-from accel_flatshard import plan  # noqa: E402
+from accel_flatshard.integrations import accelerate as integration  # noqa: E402
 from accel_flatshard.integrations.accelerate import Accelerator  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -23,7 +23,7 @@ p.add_argument("--model", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--device_memory", type=int, required=True)
 args = p.parse_args()
-plan.available_bytes = lambda device: args.device_memory  # a device of this size (prepare checks only CUDA's)
+integration.available_bytes = lambda device: args.device_memory  # a device of this size (prepare checks only CUDA's)
 
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
