@@ -36,7 +36,7 @@ def _human(n: float) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import read_checkpoint_info
-    from .checkpoint.save_state_dir import is_save_state_dir
+    from .checkpoint.offline import is_save_state_dir
 
     if is_save_state_dir(args.checkpoint):
         return _inspect_save_state(args)
@@ -70,7 +70,7 @@ def _print_tensors(tensors: dict, indent: str = "") -> None:
 
 
 def _inspect_save_state(args: argparse.Namespace) -> int:
-    from .checkpoint.save_state_dir import read_save_state_info
+    from .checkpoint.offline import read_save_state_info
 
     info = read_save_state_info(args.checkpoint)
     if args.json:
@@ -97,7 +97,7 @@ def _inspect_save_state(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
-    from .checkpoint.save_state_dir import consolidate_save_state, is_save_state_dir
+    from .checkpoint.offline import consolidate_save_state, is_save_state_dir
 
     if is_save_state_dir(args.checkpoint):
         consolidate = consolidate_save_state  # noqa: F811 - the model inside the save_state directory
