@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -208,9 +208,9 @@ def _checkpoint_number(folder: str) -> int:
     return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
 
 
-def _models_and_owners(acc: Any) -> Tuple[List[FullyShardedDataParallel], List[FullyShardedDataParallel]]:
-    """Every accel_flatshard model of ``acc._models`` in prepare order, and per optimizer the one model whose
-    parameters it updates (accelerate pairs them by position)."""
+def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., Any], optimizer_fn: Callable[..., Any]) -> None:
+    """``model_fn`` for every accel_flatshard model of ``acc._models`` (index ``i`` in prepare order), then
+    ``optimizer_fn`` for every optimizer with the one model whose parameters it updates."""
     models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
     if not models:
         raise RuntimeError("save_state/load_state: no model was prepared with accel_flatshard")
@@ -224,7 +224,10 @@ def _models_and_owners(acc: Any) -> Tuple[List[FullyShardedDataParallel], List[F
                 f"{[type(m.module).__name__ for m in mine]}; save_state under accel_flatshard needs each optimizer "
                 "to belong to exactly one prepared model (make one optimizer per model)")
         owners.append(mine[0])
-    return models, owners
+    for i, model in enumerate(models):
+        model_fn(acc.state.fsdp_plugin, acc, model, directory, model_index=i)
+    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
+        optimizer_fn(acc.state.fsdp_plugin, acc, opt, model, directory, optimizer_index=i)
 
 
 def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True) -> str:
@@ -250,12 +253,7 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
         acc.wait_for_everyone()
     os.makedirs(output_dir, exist_ok=True)
     logger.info(f"Saving current state to {output_dir}")
-    plugin = acc.state.fsdp_plugin
-    models, owners = _models_and_owners(acc)
-    for i, model in enumerate(models):
-        save_fsdp_model(plugin, acc, model, output_dir, model_index=i)
-    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
-        save_fsdp_optimizer(plugin, acc, opt, model, output_dir, optimizer_index=i)
+    _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
     for hook in acc._save_model_state_pre_hook.values():
         hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
     save_on_each_node = config.save_on_each_node
@@ -288,12 +286,7 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
     else:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     logger.info(f"Loading states from {input_dir}")
-    plugin = acc.state.fsdp_plugin
-    models, owners = _models_and_owners(acc)
-    for i, model in enumerate(models):
-        load_fsdp_model(plugin, acc, model, input_dir, model_index=i)
-    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
-        load_fsdp_optimizer(plugin, acc, opt, model, input_dir, optimizer_index=i)
+    _each_model_and_optimizer(acc, input_dir, load_fsdp_model, load_fsdp_optimizer)
     for hook in acc._load_model_state_pre_hook.values():
         hook([], input_dir)  # accelerate passes no models for FSDP
     map_location = load_model_func_kwargs.pop("map_location", None) or "cpu"
