@@ -36,7 +36,7 @@ def _print_tensors(tensors: dict, indent: str = "") -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint import read_checkpoint_info
-    from .checkpoint.save_state_dir import is_save_state_dir, read_save_state_info
+    from .checkpoint.offline import is_save_state_dir, read_save_state_info
 
     save_state = is_save_state_dir(args.checkpoint)
     info = (read_save_state_info if save_state else read_checkpoint_info)(args.checkpoint)
@@ -80,7 +80,7 @@ def _print_save_state(info: dict) -> None:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
-    from .checkpoint.save_state_dir import consolidate_save_state, is_save_state_dir
+    from .checkpoint.offline import consolidate_save_state, is_save_state_dir
 
     run = consolidate_save_state if is_save_state_dir(args.checkpoint) else consolidate  # (its model)
     for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, verify_checksums=not args.no_verify):

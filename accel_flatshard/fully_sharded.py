@@ -28,7 +28,7 @@ from .mixed_precision import MixedPrecision
 from .offload import CPUOffload, wants_offload
 from .outside_reads import enable_outside_reads
 from .profiler import begin_span, end_span, start_from_env
-from .state_dict import module_hooks
+from .state_dict import model as model_state
 from .unit import BackwardPrefetch, Unit, UnitState
 from .wrap import Policy, select_units
 
@@ -317,7 +317,7 @@ class FullyShardedDataParallel(nn.Module):
                 enable_outside_reads(unit)  # e.g. TRL's fused LM head reads lm_head.weight in the root's forward
             self._root.units.append(unit)
         self._sync_buffers(sync_module_states)
-        module_hooks.install(self)  # state_dict() of the wrapper and of the module gathers (collective)
+        model_state.install(self, lambda what: self.ensure_idle(what))  # state_dict() gathers (collective)
         generation.install(self)  # gather-once generate(), frozen models kept gathered
 
     # ------------------------------------------------------------------ construction helpers
@@ -364,21 +364,21 @@ class FullyShardedDataParallel(nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    # state dicts (state_dict/module_hooks.py): full, collective, like torch FSDP's FULL_STATE_DICT default
+    # state dicts (state_dict/model.py): full, collective, like torch FSDP's FULL_STATE_DICT default
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Collective: the plain model's state dict on global rank 0 (CPU), ``{}`` on other ranks."""
-        return module_hooks.state_dict(self, *args, **kwargs)
+        return model_state.state_dict(self, *args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Collective: load a full dict (on every rank, or on rank 0 with ``{}`` elsewhere) and reshard it."""
-        return module_hooks.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        return model_state.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """This rank's 1-D slices under the original names (not collective; same world size to load)."""
-        return module_hooks.local_state_dict_of(self, *args, **kwargs)
+        return model_state.local_state_dict_of(self, *args, **kwargs)
 
     def load_local_state_dict(self, state_dict, strict: bool = True):
-        return module_hooks.load_local_state_dict(self, state_dict, strict=strict)
+        return model_state.load_local_state_dict(self, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ public API
     @property

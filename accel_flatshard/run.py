@@ -10,8 +10,8 @@ Calls :func:`accel_flatshard.integrations.accelerate.register` (so the script's
 """
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 import runpy
 import sys
 from typing import List, Optional
@@ -23,37 +23,28 @@ USAGE = (
 )
 
 
-def _register() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        raise SystemExit(0)
+    if not argv or argv == ["-m"] or (argv[0] != "-m" and not os.path.isfile(argv[0])):
+        missing = f"accel_flatshard.run: no such script {argv[0]!r}\n" if argv and argv[0] != "-m" else ""
+        print(missing + USAGE, file=sys.stderr)
+        raise SystemExit(2)
     from .integrations.accelerate import register
 
     register()
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr if not argv else sys.stdout)
-        raise SystemExit(2 if not argv else 0)
     if argv[0] == "-m":
-        if len(argv) < 2:
-            print(USAGE, file=sys.stderr)
-            raise SystemExit(2)
-        _register()
-        module = argv[1]
-        sys.argv = [module] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
+        sys.argv = [argv[1]] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
         with _shutdown_process_group():
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    script = argv[0]
-    if not os.path.isfile(script):
-        print(f"accel_flatshard.run: no such script {script!r}\n{USAGE}", file=sys.stderr)
-        raise SystemExit(2)
-    _register()
-    sys.argv = [script] + argv[1:]
+    sys.argv = list(argv)
     # as `python script.py` does: the script's directory first on sys.path (sibling imports work)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     with _shutdown_process_group():
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 @contextlib.contextmanager

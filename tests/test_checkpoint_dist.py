@@ -85,7 +85,7 @@ def _assert_same_state(m1, o1, m2, o2):
 
 def _crash_mid_save(rank, model, path):
     """Rank 1 fails after writing 2 items: every rank raises, the old checkpoint survives intact."""
-    from accel_flatshard.checkpoint import _planner
+    from accel_flatshard.checkpoint import dcp as _planner
 
     original = _planner.FlatSavePlanner.resolve_data
     calls = [0]

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accel_flatshard.checkpoint import CheckpointError, UnsafeCheckpointError
-from accel_flatshard.checkpoint._chunks import check_tiling, range_to_chunks
-from accel_flatshard.checkpoint._files import META_FILE, resolve_checkpoint_dir
+from torch.distributed.checkpoint.planner import SavePlan
+
+from accel_flatshard.checkpoint.dcp import FlatLoadPlanner, FlatRange, FlatSavePlanner, check_tiling, plan_reads, range_to_chunks
 from accel_flatshard.checkpoint.atomic import commit_dir, new_tmp_dir
-from accel_flatshard.checkpoint._planner import FlatLoadPlanner, FlatRange, FlatSavePlanner, plan_reads
-from accel_flatshard.checkpoint._torch_compat import SavePlan, load_metadata_safely
-from accel_flatshard.checkpoint.consolidate import parse_size
+from accel_flatshard.checkpoint.sharded import META_FILE, load_metadata_safely, resolve_checkpoint_dir
+from accel_flatshard.checkpoint.offline import parse_size
 from accel_flatshard.flat_param import FlatParamLayout
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)
@@ -146,7 +146,7 @@ def test_metadata_unpickler_refuses_disallowed_globals(tmp_path):
 
 
 def test_real_dcp_metadata_passes_the_allow_list(tmp_path):
-    from accel_flatshard.checkpoint._torch_compat import dcp_save
+    from accel_flatshard.checkpoint.dcp import dcp_save
 
     entries = {"w": FlatRange(torch.randn(20), 0, (4, 5)), "step": torch.tensor(3.0),
                "h": FlatRange(torch.randn(3).bfloat16(), 0, (3,))}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_flatshard.checkpoint._dcp_io import save_entries
-from accel_flatshard.checkpoint._planner import FlatRange
+from accel_flatshard.checkpoint.dcp import FlatRange
+from accel_flatshard.checkpoint.sharded import save_entries
 from accel_flatshard.cli import main
 
 

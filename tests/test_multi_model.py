@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.integrations.multi_model import clip_grad_norm_over_models
+from accel_flatshard.integrations.accelerate import clip_grad_norm_over_models
 from dist_helpers import spawn
 from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, max_abs_diff, read_json
 from models import batches, global_mean, llama

@@ -1,12 +1,12 @@
-"""The one way this project writes files: atomically and durably.
+"""The one way this project writes files: atomically and durably (a leaf module: the profiler writes with it too).
 
-* :func:`write_atomic` - a temporary file in the target's directory, written, flushed and fsynced, renamed
-  over the target with ``os.replace``, then the directory fsynced: after a crash the target is the old
-  file or the new one, never a truncated mix.
-* :func:`commit_dir` - the same for a directory built as ``<dir>.tmp-<random>`` (:func:`new_tmp_dir`):
-  its entries are fsynced, a previous ``<dir>`` is renamed to ``<dir>.old-<random>``, the new one renamed
-  in, the parent fsynced, the old one deleted.  A crash between the two renames leaves the previous
-  checkpoint complete under the ``.old-`` name (``_files.resolve_checkpoint_dir`` finds it).
+* :func:`write_atomic` - a temporary file in the target's directory, written, flushed and fsynced, renamed over the
+  target with ``os.replace``, then the directory fsynced: after a crash the target is the old file or the new one,
+  never a truncated mix.
+* :func:`commit_dir` - the same for a directory built as ``<dir>.tmp-<random>`` (:func:`new_tmp_dir`): its entries
+  are fsynced, a previous ``<dir>`` is renamed to ``<dir>.old-<random>``, the new one renamed in, the parent
+  fsynced, the old one deleted.  A crash between the two renames leaves the previous checkpoint complete under the
+  ``.old-`` name (``files.resolve_checkpoint_dir`` finds it).
 
 Example::
 
@@ -22,14 +22,7 @@ import shutil
 import uuid
 from typing import Any, Callable, Dict
 
-__all__ = [
-    "write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir", "fsync_dir",
-    "remove_dir_quietly",
-]
-
-
-def _tmp_name(path: str) -> str:
-    return f"{os.path.normpath(path)}.tmp-{uuid.uuid4().hex[:8]}"
+__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir"]
 
 
 def fsync_dir(path: str) -> None:
@@ -77,25 +70,18 @@ def write_json_atomic(path: str, obj: Dict[str, Any], indent: int = 1) -> None:
 
 def new_tmp_dir(final: str) -> str:
     """A fresh sibling path ``<final>.tmp-<random>`` (not created)."""
-    return _tmp_name(final)
+    return f"{os.path.normpath(final)}.tmp-{uuid.uuid4().hex[:8]}"
 
 
 def commit_dir(tmp: str, final: str) -> None:
-    """Move the finished directory ``tmp`` to ``final``, replacing a previous checkpoint there."""
+    """Move the finished directory ``tmp`` to ``final``, replacing a previous checkpoint there (module doc)."""
     final = os.path.normpath(final)
-    parent = os.path.dirname(os.path.abspath(final))
     fsync_dir(tmp)
     old = None
     if os.path.lexists(final):
         old = f"{final}.old-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
     os.rename(tmp, final)
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for leftover in glob.glob(glob.escape(final) + ".old-*"):  # from an earlier interrupted replace
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    for leftover in ([old] if old else []) + glob.glob(glob.escape(final) + ".old-*"):  # also earlier interrupted ones
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def remove_dir_quietly(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -13,16 +13,16 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why:
 * An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1, so
   accelerate and the Trainer take the FSDP1 code paths this class implements (``is_fsdp2`` is False).
 * The Trainer's checkpoints go through accelerate's free ``save_fsdp_model`` & co., replaced for
-  accel_flatshard models by :mod:`.fsdp_utils_shim`; ``save_state`` uses the same functions.
+  accel_flatshard models by :mod:`.fsdp_utils_shim`, whose ``save_state`` / ``load_state`` use the same functions.
 * ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
   optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
   through accelerate's own preparation.  Every model is sharded, however many are prepared, and
   ``evaluation_mode=True`` ones too (frozen reference models: no gradient memory).
-* TRL's ``prepare_fsdp`` (reference models) and accelerate's ``extract_model_from_parallel`` (PEFT
-  detection, unwrapping) are made to use / see through this wrapper (``trl_peft.py``).
-* ``clip_grad_norm_`` / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` / ``load_state`` know
-  the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``), ``gather_for_metrics`` are
-  accelerate's own and work unchanged.
+* TRL's ``prepare_fsdp`` (reference models), accelerate's ``extract_model_from_parallel`` (PEFT detection,
+  unwrapping) and the Trainer's ``get_parameter_names`` use / see through this wrapper (``trainer_trl_peft.py``).
+* ``clip_grad_norm_`` (one norm over several models too) / ``get_state_dict`` / ``unwrap_model`` / ``save_state``
+  / ``load_state`` know the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``),
+  ``gather_for_metrics`` are accelerate's own and work unchanged.
 * ``dynamo_backend`` compiles the sharded model (each unit's forward inside its hooks, or the whole model
   with graph breaks at the hooks: ``compilation.py``) instead of being refused.
 * ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``: an inf/nan in any rank's gradient
@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from types import MethodType
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import accelerate
 import accelerate.accelerator
@@ -50,10 +50,10 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 from .. import options
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
-from ..state_dict.registry import find_wrapper
+from ..grad_norm import clip_grad_norm_, scale_by_clip_coefficient
+from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
-from . import checkpointing, patches
-from .multi_model import clip_grad_norm_over_models
+from . import fsdp_utils_shim, patches
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
 from .config import fsdp_version_requested, launched_world_size, normalize_plugin_to_fsdp1, options_from_plugin
@@ -62,7 +62,7 @@ from .config import requested_parallelism_config, use_cpu_state_for_fsdp_launch
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 
-__all__ = ["Accelerator", "register"]
+__all__ = ["Accelerator", "register", "clip_grad_norm_over_models"]
 
 
 class Accelerator(_BaseAccelerator):
@@ -282,7 +282,7 @@ class Accelerator(_BaseAccelerator):
         """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded, but
         its ``state_dict()`` gathers the full one (collective: call on every rank; rank 0 gets it, the
         others ``{}``), so ``save_pretrained(dir, is_main_process=...)`` on every rank writes the full
-        model; called on the main process only it fails within seconds (see ``state_dict/module_hooks.py``)."""
+        model; called on the main process only it fails within seconds (see ``state_dict/model.py``)."""
         if isinstance(model, FullyShardedDataParallel):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
@@ -293,24 +293,12 @@ class Accelerator(_BaseAccelerator):
         With several prepared models, the one of ``model`` (wrapped, or the model given to ``prepare``);
         call it once per model.  Collective: every rank must call it.
         """
-        wrapped = self._find_wrapper(model)
+        wrapped = find_wrapper(model)
         if wrapped is None:
             if self._flatshard_options is not None:  # e.g. an evaluation-mode model: nothing is sharded
                 return (self.unwrap_model(model) if unwrap else model).state_dict()
             return super().get_state_dict(model, unwrap=unwrap)
-        from ..checkpoint import full_state_dict
-
-        state_dict = full_state_dict(wrapped, rank0_only=True, cpu_offload=True)
-        return state_dict if state_dict is not None else {}
-
-    def _find_wrapper(self, model: nn.Module) -> Optional[FullyShardedDataParallel]:
-        return find_wrapper(model)
-
-    def _flatshard_model(self) -> FullyShardedDataParallel:
-        for m in self._models:
-            if isinstance(m, FullyShardedDataParallel):
-                return m
-        raise RuntimeError("no model was prepared with accel_flatshard")
+        return full_state_dict(wrapped, rank0_only=True, cpu_offload=True)
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
@@ -319,14 +307,14 @@ class Accelerator(_BaseAccelerator):
         rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate."""
         if self._flatshard_options is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        return checkpointing.save_state(self, output_dir, safe_serialization)
+        return fsdp_utils_shim.save_state(self, output_dir, safe_serialization)
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
         """Inverse of :meth:`save_state`; the layout (FULL or SHARDED) is detected from the directory."""
         if self._flatshard_options is None:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-        checkpointing.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
+        fsdp_utils_shim.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -397,6 +385,31 @@ def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
                 f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
                 "model: accel_flatshard shards it itself under the FSDP config"
             )
+
+
+def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip ``params`` (from one or several wrapped models, each with its own engine and shard group, and
+    unwrapped ones) by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded models would.
+
+    Each model's contribution is its global norm over its own shard group (computed without changing any
+    gradient: max_norm=inf scales by exactly 1); the norms are combined, then every gradient is scaled by the
+    same coefficient.  Returns the total norm.  Collective over every model's group.
+    """
+    by_group: Dict[int, List[torch.Tensor]] = {}
+    unsharded: List[torch.Tensor] = []
+    for p in params:
+        group = getattr(p, "_flatshard_group", None)
+        (unsharded if group is None else by_group.setdefault(id(group), [])).append(p)
+    if len(by_group) <= 1:
+        return clip_grad_norm_(params, max_norm, norm_type)
+    norm_type = float(norm_type)
+    # unsharded parameters (full copies on every rank) are counted once, with the first model's
+    parts = list(by_group.values())
+    parts[0] = parts[0] + unsharded
+    norms = torch.stack([clip_grad_norm_(part, float("inf"), norm_type).double() for part in parts])
+    total = norms.max() if norm_type == float("inf") else (norms ** norm_type).sum() ** (1.0 / norm_type)
+    scale_by_clip_coefficient([p.grad for p in params if p.grad is not None], max_norm, total)
+    return total.to(torch.float32)
 
 
 def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:

@@ -1,11 +1,14 @@
 """Translate an accelerate FSDP configuration (fsdp_version 1 or 2) into accel_flatshard options.
 
-Accelerate delivers the yaml's ``fsdp_config`` as ``FSDP_*`` environment variables and parses them
-into a ``FullyShardedDataParallelPlugin`` whose fields are torch FSDP objects (``ShardingStrategy``,
-``BackwardPrefetch``, torch wrap-policy functions, ``MixedPrecision``).  :func:`options_from_plugin`
-maps those fields onto :class:`FullyShardedDataParallel` arguments; the few options accelerate has
-no key for come from ``FLATSHARD_*`` environment variables (declared and validated in
-``accel_flatshard.options``), so that a typo fails loudly instead of being ignored.
+Accelerate delivers the yaml's ``fsdp_config`` as ``FSDP_*`` environment variables and parses them into a
+``FullyShardedDataParallelPlugin`` whose fields are torch FSDP objects (``ShardingStrategy``, ``BackwardPrefetch``,
+torch wrap-policy functions, ``MixedPrecision``).  :func:`options_from_plugin` maps those fields (and accelerate's
+``parallelism_config``) onto :class:`FullyShardedDataParallel` arguments; the few options accelerate has no key
+for come from ``FLATSHARD_*`` environment variables (declared and validated in ``accel_flatshard.options``), so
+that a typo fails loudly instead of being ignored.  Also here, as the one other reader of the environment: the
+plugin built on a host without an accelerator device (:func:`build_plugin_without_device`, and the
+``__post_init__`` patch behind it), the launcher's world size, and :func:`options_from_launch_args` (what
+``accel-flatshard plan`` wraps with).
 """
 from __future__ import annotations
 
@@ -28,18 +31,6 @@ _DTYPES = options.DTYPES
 
 # the FLATSHARD_* variables are declared and validated in accel_flatshard.options (unknown names are errors)
 check_env = options.check_environment
-
-
-def state_dict_type_name(plugin: Any) -> str:
-    """The plugin's ``state_dict_type`` as "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (unset: FULL); others raise."""
-    sdt = getattr(plugin, "state_dict_type", None)
-    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
-    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        raise ValueError(
-            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
-            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
-        )
-    return name
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
@@ -147,6 +138,8 @@ def options_from_plugin(
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
+
+    from .fsdp_utils_shim import state_dict_type_name  # what save_state writes: checked here, before training
 
     environ = os.environ if environ is None else environ
     check_env(environ)
@@ -367,33 +360,6 @@ def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, st
     return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
 
 
-def build_plugin_without_device(plugin_cls: type, environ: Optional[Dict[str, str]] = None) -> Any:
-    """Build accelerate's plugin from ``FSDP_*`` variables on a host without an accelerator device.
-
-    ``FullyShardedDataParallelPlugin.__post_init__`` raises "no available devices" whenever
-    ``sync_module_states`` is on (it prepares a ``param_init_fn`` for torch FSDP that targets a GPU), and
-    the launcher turns it on by default.  accel_flatshard does not use ``param_init_fn``, so build the
-    plugin with both flags off, then restore the two fields and the environment variable that
-    ``__post_init__`` overwrote (transformers reads ``FSDP_CPU_RAM_EFFICIENT_LOADING``).
-    """
-    environ = os.environ if environ is None else environ
-    efficient = options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING", environ)
-    sync = options.env_flag("FSDP_SYNC_MODULE_STATES", environ)
-    saved = environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
-    # FSDP2 has no sync_module_states (accelerate warns if it is given at all) and never needs a device
-    kwargs = {} if str(environ.get("FSDP_VERSION", "1")).strip() == "2" else {"sync_module_states": False}
-    try:
-        plugin = plugin_cls(cpu_ram_efficient_loading=False, **kwargs)
-    finally:
-        if saved is None:
-            environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
-        else:
-            environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
-    plugin.cpu_ram_efficient_loading = efficient
-    plugin.sync_module_states = sync or efficient
-    return plugin
-
-
 def _host_has_device() -> bool:
     """What accelerate's plugin looks for before it builds a GPU ``param_init_fn`` (any of its devices)."""
     from accelerate.utils import imports
@@ -406,10 +372,11 @@ def _host_has_device() -> bool:
 def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
     """``FullyShardedDataParallelPlugin.__post_init__`` that works on a host without an accelerator device.
 
-    On such a host (only; elsewhere accelerate's own runs unchanged) the plugin is initialised with
-    ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, which is where accelerate demands a
-    device, then both fields and ``FSDP_CPU_RAM_EFFICIENT_LOADING`` get the values accelerate would have
-    set: the same plugin :func:`build_plugin_without_device` builds from a yaml.
+    accelerate's raises "no available devices" whenever ``sync_module_states`` is on (it prepares a
+    ``param_init_fn`` for torch FSDP that targets a GPU), and the launcher turns it on by default; accel_flatshard
+    does not use ``param_init_fn``.  On such a host (only; FSDP2 and hosts with a device run accelerate's
+    unchanged) the plugin is initialised with ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, then
+    both fields and ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (transformers reads it) get the values accelerate would set.
     """
 
     @functools.wraps(original)
@@ -417,25 +384,32 @@ def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any],
         version = str(getattr(self, "fsdp_version", None) or os.environ.get("FSDP_VERSION", "1")).strip()
         if version == "2" or _host_has_device():
             return original(self)
-        prefix = "FSDP_"
-        efficient = self.cpu_ram_efficient_loading
-        efficient = options.env_flag(prefix + "CPU_RAM_EFFICIENT_LOADING") if efficient is None else bool(efficient)
-        sync = self.sync_module_states
-        sync = options.env_flag(prefix + "SYNC_MODULE_STATES") if sync is None else bool(sync)
-        saved = os.environ.get(prefix + "CPU_RAM_EFFICIENT_LOADING")
+        efficient, sync = self.cpu_ram_efficient_loading, self.sync_module_states
+        efficient = options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING") if efficient is None else bool(efficient)
+        sync = options.env_flag("FSDP_SYNC_MODULE_STATES") if sync is None else bool(sync)
+        saved = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")
         self.cpu_ram_efficient_loading, self.sync_module_states = False, False
         try:
             original(self)
         finally:
-            os.environ.pop(prefix + "CPU_RAM_EFFICIENT_LOADING", None)
+            os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
             if saved is not None:
-                os.environ[prefix + "CPU_RAM_EFFICIENT_LOADING"] = saved
-        if efficient:  # what accelerate's __post_init__ exports for transformers' from_pretrained
-            os.environ[prefix + "CPU_RAM_EFFICIENT_LOADING"] = "True"
+                os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
+        if efficient and not options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"):  # (a launcher's value stays)
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "True"  # what accelerate exports for from_pretrained
         self.cpu_ram_efficient_loading = efficient
         self.sync_module_states = sync or efficient
 
     return __post_init__
+
+
+def build_plugin_without_device(plugin_cls: type) -> Any:
+    """accelerate's plugin built from the ``FSDP_*`` variables on any host: ``plugin_cls()`` initialised by
+    :func:`post_init_without_device` (which the ``plugin_post_init`` patch installs only under ``register()``)."""
+    building = type(plugin_cls.__name__, (plugin_cls,), {"__post_init__": post_init_without_device(plugin_cls.__post_init__)})
+    plugin = building()
+    plugin.__class__ = plugin_cls
+    return plugin
 
 
 def options_from_launch_args(argv: List[str]) -> tuple:

@@ -1,56 +1,73 @@
-"""accelerate's free FSDP checkpoint functions, made to work for accel_flatshard models.
+"""Checkpoints of the Accelerate backend: ``save_state`` / ``load_state``, and accelerate's free FSDP functions.
 
 ``transformers.Trainer`` (checkpoints, resume, ``load_best_model_at_end``) and other code call
-``accelerate.utils.save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` /
-``load_fsdp_optimizer`` directly instead of ``Accelerator.save_state``.  Those enter torch FSDP's
-``state_dict_type`` context, which finds no torch FSDP module in an accel_flatshard model and fails
-(``KeyError: None``).  :mod:`.patches` replaces the four names everywhere they are looked up
-(``accelerate.utils``, ``accelerate.utils.fsdp_utils`` and every already imported module that bound
-them with ``from accelerate.utils import ...``, e.g. ``transformers.trainer``) by the functions below.
-For a model that is not sharded by accel_flatshard they call accelerate's original.
+``accelerate.utils.save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` / ``load_fsdp_optimizer``
+directly.  Those enter torch FSDP's ``state_dict_type`` context, which finds no torch FSDP module in an
+accel_flatshard model and fails (``KeyError: None``).  :mod:`.patches` replaces the four names everywhere they
+are looked up by the functions below; for a model that accel_flatshard does not shard they call accelerate's
+original.  ``Accelerator.save_state`` / ``load_state`` (:func:`save_state`, :func:`load_state`) use the same four.
 
-Layout on disk is accelerate's own (file names from ``accelerate.utils.constants``), so accelerate's
-tools (``accelerate merge-weights``) and the Trainer's checkpoint detection keep working:
+The layout is accelerate's for torch FSDP (names from ``accelerate.utils.constants``), so accelerate's tools
+(``accelerate merge-weights``) and the Trainer's checkpoint detection keep working:
 
-* SHARDED_STATE_DICT: ``pytorch_model_fsdp_{i}/`` (a DCP directory written by every rank, keys
-  ``model.<name>``) and ``optimizer_{i}/``;
-* FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` / ``pytorch_model_fsdp_{i}.bin`` (i > 0) and
-  ``optimizer.bin`` / ``optimizer_{i}.bin``, written by rank 0 with ``torch.save`` through
-  ``checkpoint.atomic.write_atomic`` (a crash never leaves a truncated file).
+* SHARDED_STATE_DICT: ``pytorch_model_fsdp_{i}/`` and ``optimizer_{i}/``, DCP directories written by every rank
+  (``checkpoint/sharded.py``: keys are the parameter names, optimizer state under ``state.<name>.<key>``);
+* FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` / ``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` /
+  ``optimizer_{i}.bin``, written by rank 0 with ``torch.save`` through the atomic writer;
+* ``save_state`` also writes ``scheduler.bin``, ``scaler.pt``, sampler states, ``random_states_{rank}.pkl`` and
+  ``custom_checkpoint_{i}.pkl`` with accelerate's own helpers (``save_accelerator_state`` with empty model and
+  optimizer lists, as its FSDP path does); the order of steps, the hooks and ``automatic_checkpoint_naming`` /
+  ``total_limit`` follow ``Accelerator.save_state`` / ``load_state`` of accelerate 1.15.
 
-Loading looks at what is on disk (a run may switch ``state_dict_type`` between save and load, as the
-transformers docs advise for the final save), rank 0 deciding for everyone.
+Every accel_flatshard model in ``accelerator._models`` is saved (index ``i`` in prepare order), and every
+optimizer (index ``i``, with the one model whose parameters it updates).  Loading looks at what is on disk (a
+run may switch ``state_dict_type`` between save and load, as the transformers docs advise for the final save),
+rank 0 deciding for everyone.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
-from typing import Any, Callable, Dict
+import re
+import shutil
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
+from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state
+from accelerate.checkpointing import save_custom_state
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import fsdp_utils as _accelerate_fsdp_utils
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from .. import comm
 from ..checkpoint.atomic import write_atomic
-from ..state_dict.registry import find_wrapper
-from .config import state_dict_type_name
+from ..checkpoint.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
+from ..fully_sharded import FullyShardedDataParallel
+from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict
+from ..state_dict.optim import full_optim_state_dict, load_full_optim_state_dict
 
-__all__ = ["save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer",
-           "model_file_name", "model_dir_name", "optimizer_file_name", "optimizer_dir_name"]
+__all__ = ["save_state", "load_state", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
+           "load_fsdp_optimizer", "state_dict_type_name"]
 
 logger = logging.getLogger(__name__)
-
-# the load result accelerate returns (torch's nn.Module.load_state_dict result has the same fields)
-LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
 
 _ORIGINALS: Dict[str, Callable[..., Any]] = {
     name: getattr(_accelerate_fsdp_utils, name)
     for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
 }
+
+
+def state_dict_type_name(plugin: Any) -> str:
+    """The plugin's ``state_dict_type`` as "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (unset: FULL); others raise."""
+    sdt = getattr(plugin, "state_dict_type", None)
+    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
+    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        raise ValueError(
+            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
+            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
+        )
+    return name
 
 
 # ---------------------------------------------------------------------- accelerate's names
@@ -72,51 +89,59 @@ def optimizer_dir_name(index: int) -> str:
     return f"{OPTIMIZER_NAME}_{index}"
 
 
-# ---------------------------------------------------------------------- helpers
 def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
 
+# ---------------------------------------------------------------------- one save, one load
 def _check_use_dcp(use_dcp: bool, what: str) -> None:
     if not use_dcp:
         raise ValueError(
             f"{what}(use_dcp=False) (per-rank torch.save files) is not supported for accel_flatshard models: "
-            "sharded checkpoints are always DCP directories that load at any world size; drop use_dcp=False"
-        )
+            "sharded checkpoints are always DCP directories that load at any world size; drop use_dcp=False")
 
 
-def _is_main(accelerator: Any) -> bool:
-    return accelerator.process_index == 0
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` through the atomic writer: a crash never leaves a truncated checkpoint file."""
-    write_atomic(path, lambda tmp: torch.save(obj, tmp))
-
-
-def _layout(accelerator: Any, directory: str, dir_name: str, file_name: str, what: str) -> str:
-    """``"sharded"`` or ``"full"`` by what ``directory`` holds (rank 0 decides), else FileNotFoundError."""
-    if _is_main(accelerator):
-        found = ("sharded" if os.path.isdir(os.path.join(directory, dir_name))
-                 else "full" if os.path.isfile(os.path.join(directory, file_name)) else None)
+def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, dir_name: str, file_name: str, what: str,
+          save_sharded: Callable[[str], None], gather_full: Callable[[], Dict[str, Any]]) -> None:
+    """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``."""
+    os.makedirs(output_dir, exist_ok=True)
+    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
+        path = os.path.join(output_dir, dir_name)
+        logger.info(f"Saving {what} to {path}")
+        save_sharded(path)
     else:
-        found = None
+        path = os.path.join(output_dir, file_name)
+        state = gather_full()  # collective; rank 0 gets the dict
+        if accelerator.process_index == 0:
+            logger.info(f"Saving {what} to {path}")
+            write_atomic(path, lambda tmp: torch.save(state, tmp))  # a crash never leaves a truncated file
+        del state
+    accelerator.wait_for_everyone()
+
+
+def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, dir_name: str, file_name: str, what: str,
+          load_sharded: Callable[[str], None], load_full: Callable[[Optional[Dict[str, Any]]], None]) -> None:
+    """Collective: the layout on disk decides (rank 0 looks); a full file is read by rank 0 and broadcast."""
+    state_dict_type_name(fsdp_plugin)
+    accelerator.wait_for_everyone()
+    directory = os.fspath(input_dir).rstrip(os.sep)
+    if os.path.basename(directory) == dir_name:  # accelerate accepts the checkpoint folder or this directory
+        directory = os.path.dirname(directory)
+    sharded, full = os.path.join(directory, dir_name), os.path.join(directory, file_name)
+    main = accelerator.process_index == 0
+    found = ("sharded" if os.path.isdir(sharded) else "full" if os.path.isfile(full) else None) if main else None
     found = comm.broadcast_object(torch.distributed.group.WORLD if accelerator.num_processes > 1 else None, found)
     if found is None:
         raise FileNotFoundError(
             f"{directory} holds neither {dir_name}/ (SHARDED_STATE_DICT) nor {file_name} (FULL_STATE_DICT): "
-            f"no {what} saved by save_fsdp_* / save_state under an FSDP config with this index"
-        )
-    return found
-
-
-def _input_dir(directory: str, dir_name: str) -> str:
-    # accelerate accepts the checkpoint folder or the model/optimizer directory itself
-    directory = os.fspath(directory)
-    return os.path.dirname(directory.rstrip(os.sep)) if os.path.basename(directory.rstrip(os.sep)) == dir_name \
-        else directory
+            f"no {what} saved by save_fsdp_* / save_state under an FSDP config with this index")
+    if found == "sharded":
+        load_sharded(sharded)
+    else:
+        load_full(torch.load(full, map_location="cpu", weights_only=True) if main else None)  # strict
+    accelerator.wait_for_everyone()
 
 
 # ---------------------------------------------------------------------- the four functions
@@ -130,22 +155,9 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
     if wrapped is None:
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
-    from ..checkpoint import full_state_dict, save_sharded_model
-
     _check_use_dcp(use_dcp, "save_fsdp_model")
-    os.makedirs(output_dir, exist_ok=True)
-    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
-        path = os.path.join(output_dir, model_dir_name(model_index))
-        logger.info(f"Saving model to {path}")
-        save_sharded_model(wrapped, path)
-    else:
-        path = os.path.join(output_dir, model_file_name(model_index))
-        state = full_state_dict(wrapped, rank0_only=True, cpu_offload=True)
-        if _is_main(accelerator):
-            logger.info(f"Saving model to {path}")
-            atomic_torch_save(state, path)
-        del state
-    accelerator.wait_for_everyone()
+    _save(fsdp_plugin, accelerator, output_dir, model_dir_name(model_index), model_file_name(model_index), "model",
+          lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped))
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
@@ -155,21 +167,9 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_
     if wrapped is None:
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
-    from ..checkpoint import load_full_state_dict, load_sharded_model
-
     _check_use_dcp(use_dcp, "load_fsdp_model")
-    state_dict_type_name(fsdp_plugin)
-    accelerator.wait_for_everyone()
-    input_dir = _input_dir(input_dir, model_dir_name(model_index))
-    layout = _layout(accelerator, input_dir, model_dir_name(model_index), model_file_name(model_index), "model")
-    if layout == "sharded":
-        load_sharded_model(wrapped, os.path.join(input_dir, model_dir_name(model_index)))
-    else:
-        path = os.path.join(input_dir, model_file_name(model_index))
-        state = torch.load(path, map_location="cpu", weights_only=True) if _is_main(accelerator) else None
-        load_full_state_dict(wrapped, state)  # strict: a missing or unexpected key is an error
-        del state
-    accelerator.wait_for_everyone()
+    _load(fsdp_plugin, accelerator, input_dir, model_dir_name(model_index), model_file_name(model_index), "model",
+          lambda path: load_sharded_model(wrapped, path), lambda state: load_full_state_dict(wrapped, state))
     return LoadResult([], [])
 
 
@@ -180,23 +180,11 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     if wrapped is None:
         return _ORIGINALS["save_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, output_dir,
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
-    from ..checkpoint import full_optim_state_dict, save_sharded_optimizer
-
     _check_use_dcp(use_dcp, "save_fsdp_optimizer")
-    os.makedirs(output_dir, exist_ok=True)
     optimizer = plain_optimizer(optimizer)
-    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
-        path = os.path.join(output_dir, optimizer_dir_name(optimizer_index))
-        logger.info(f"Saving Optimizer state to {path}")
-        save_sharded_optimizer(wrapped, optimizer, path)
-    else:
-        path = os.path.join(output_dir, optimizer_file_name(optimizer_index))
-        state = full_optim_state_dict(wrapped, optimizer)  # collective; rank 0 gets the dict
-        if _is_main(accelerator):
-            logger.info(f"Saving Optimizer state to {path}")
-            atomic_torch_save(state, path)
-        del state
-    accelerator.wait_for_everyone()
+    _save(fsdp_plugin, accelerator, output_dir, optimizer_dir_name(optimizer_index), optimizer_file_name(optimizer_index),
+          "Optimizer state", lambda path: save_sharded_optimizer(wrapped, optimizer, path),
+          lambda: full_optim_state_dict(wrapped, optimizer))
 
 
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, input_dir: str,
@@ -207,20 +195,111 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
         return _ORIGINALS["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, input_dir,
                                                  optimizer_index=optimizer_index, adapter_only=adapter_only,
                                                  use_dcp=use_dcp)
-    from ..checkpoint import load_full_optim_state_dict, load_sharded_optimizer
-
     _check_use_dcp(use_dcp, "load_fsdp_optimizer")
-    state_dict_type_name(fsdp_plugin)
-    accelerator.wait_for_everyone()
     optimizer = plain_optimizer(optimizer)
-    input_dir = _input_dir(input_dir, optimizer_dir_name(optimizer_index))
-    layout = _layout(accelerator, input_dir, optimizer_dir_name(optimizer_index),
-                     optimizer_file_name(optimizer_index), "optimizer state")
-    if layout == "sharded":
-        load_sharded_optimizer(wrapped, optimizer, os.path.join(input_dir, optimizer_dir_name(optimizer_index)))
+    _load(fsdp_plugin, accelerator, input_dir, optimizer_dir_name(optimizer_index), optimizer_file_name(optimizer_index),
+          "optimizer state", lambda path: load_sharded_optimizer(wrapped, optimizer, path),
+          lambda state: load_full_optim_state_dict(wrapped, optimizer, state))
+
+
+# ---------------------------------------------------------------------- save_state / load_state
+def _checkpoint_number(folder: str) -> int:
+    # accelerate's sort key for checkpoint_<n> folders
+    return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
+
+
+def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., Any], optimizer_fn: Callable[..., Any]) -> None:
+    """``model_fn`` for every accel_flatshard model of ``acc._models`` (index ``i`` in prepare order), then
+    ``optimizer_fn`` for every optimizer with the one model whose parameters it updates."""
+    models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
+    if not models:
+        raise RuntimeError("save_state/load_state: no model was prepared with accel_flatshard")
+    owners = []
+    for index, opt in enumerate(acc._optimizers):
+        params = {id(p) for g in plain_optimizer(opt).param_groups for p in g["params"]}
+        mine = [m for m in models if any(id(p) in params for p in m.parameters())]
+        if len(mine) != 1:
+            raise ValueError(
+                f"optimizer {index} updates parameters of {len(mine)} prepared models "
+                f"{[type(m.module).__name__ for m in mine]}; save_state under accel_flatshard needs each optimizer "
+                "to belong to exactly one prepared model (make one optimizer per model)")
+        owners.append(mine[0])
+    for i, model in enumerate(models):
+        model_fn(acc.state.fsdp_plugin, acc, model, directory, model_index=i)
+    for i, (opt, model) in enumerate(zip(acc._optimizers, owners)):
+        optimizer_fn(acc.state.fsdp_plugin, acc, opt, model, directory, optimizer_index=i)
+
+
+def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True) -> str:
+    """``Accelerator.save_state`` for accel_flatshard models (see the module docstring)."""
+    config = acc.project_configuration
+    if config.automatic_checkpoint_naming:
+        output_dir = os.path.join(acc.project_dir, "checkpoints")
+    if output_dir is None:
+        raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
+    os.makedirs(output_dir, exist_ok=True)
+    if config.automatic_checkpoint_naming:
+        folders = [os.path.join(output_dir, f) for f in os.listdir(output_dir)]
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
+            folders.sort(key=_checkpoint_number)
+            logger.warning(f"Deleting {len(folders) + 1 - config.total_limit} checkpoints to make room for new checkpoint.")
+            for folder in folders[: len(folders) + 1 - config.total_limit]:
+                shutil.rmtree(folder)
+        output_dir = os.path.join(output_dir, f"checkpoint_{acc.save_iteration}")
+        if os.path.exists(output_dir):
+            raise ValueError(
+                f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually override "
+                "`self.save_iteration` with what iteration to start with.")
+        acc.wait_for_everyone()
+    os.makedirs(output_dir, exist_ok=True)
+    logger.info(f"Saving current state to {output_dir}")
+    _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
+    save_on_each_node = config.save_on_each_node
+    # Every rank would torch.save the same scaler.pt concurrently; let the writers of shared files do it.
+    writes_shared = acc.is_main_process or (save_on_each_node and acc.is_local_main_process)
+    save_location = save_accelerator_state(
+        output_dir, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, acc.step,
+        acc.scaler if writes_shared else None, save_on_each_node=save_on_each_node,
+        safe_serialization=safe_serialization)
+    for i, obj in enumerate(acc._custom_objects):
+        save_custom_state(obj, output_dir, i, save_on_each_node=save_on_each_node)
+    config.iteration += 1
+    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files
+    return str(save_location)
+
+
+def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] = None,
+               **load_model_func_kwargs: Any) -> None:
+    """``Accelerator.load_state`` for accel_flatshard models; the layout (FULL or SHARDED) is read from disk."""
+    if input_dir is not None:
+        input_dir = os.path.expanduser(input_dir)
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+    elif acc.project_configuration.automatic_checkpoint_naming:
+        root = os.path.join(acc.project_dir, "checkpoints")
+        folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_checkpoint_number)
+        if not folders:
+            raise ValueError(f"no checkpoint_<n> folder in {root}")
+        input_dir = folders[-1]
     else:
-        path = os.path.join(input_dir, optimizer_file_name(optimizer_index))
-        state = torch.load(path, map_location="cpu", weights_only=True) if _is_main(accelerator) else None
-        load_full_optim_state_dict(wrapped, optimizer, state)
-        del state
-    accelerator.wait_for_everyone()
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    logger.info(f"Loading states from {input_dir}")
+    _each_model_and_optimizer(acc, input_dir, load_fsdp_model, load_fsdp_optimizer)
+    for hook in acc._load_model_state_pre_hook.values():
+        hook([], input_dir)  # accelerate passes no models for FSDP
+    map_location = load_model_func_kwargs.pop("map_location", None) or "cpu"
+    override = load_accelerator_state(input_dir, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index,
+                                      acc.scaler, map_location, load_kwargs, **load_model_func_kwargs)
+    if "step" in override:
+        acc.step = override["step"]
+    custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f) is not None]
+    if len(custom) != len(acc._custom_objects):
+        raise RuntimeError(
+            f"Number of custom checkpoints in folder {input_dir} does not match the number of registered objects:"
+            f"\n\tFound checkpoints: {len(custom)}\n\tRegistered objects: {len(acc._custom_objects)}\n"
+            "Please make sure to only load checkpoints from folders that were created with the same set of "
+            "registered objects.")
+    for index, obj in enumerate(acc._custom_objects):
+        load_custom_state(obj, input_dir, index)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from ..checkpoint.consolidate import parse_size
+from ..checkpoint.offline import parse_size
 from ..integrations.config import options_from_launch_args
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
 

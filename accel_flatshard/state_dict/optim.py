@@ -1,23 +1,21 @@
-"""Full optimizer state dicts, keyed by parameter name, and converters to/from torch's own format.
+"""Optimizer state of a sharded model by parameter name: its schema, the full optimizer state dict, torch's format.
 
-Format of a full optimizer state dict (what :func:`full_optim_state_dict` returns on rank 0)::
+Every original parameter is a 1-D slice of its flat parameter's shard, so a stock torch optimizer keeps, per
+parameter, tensors the size of this rank's piece (``exp_avg``, ``momentum_buffer``: "sharded" state), 0-dim
+tensors (``step``: "scalar" state) and plain Python values ("value" state).  :func:`state_schema` describes it
+by name (``{name: {key: (kind, dtype, value)}}``, merged over all ranks); :func:`encode_groups` writes the param
+groups as JSON-able dicts with parameter names; :func:`torch_state_dict` builds what ``optimizer.load_state_dict``
+takes.  Format of a full optimizer state dict (what :func:`full_optim_state_dict` returns on rank 0)::
 
     {
-      "state": {                                  # only parameters that have state
-        "transformer.wte.weight": {"step": tensor(5.), "exp_avg": <full-shaped>, "exp_avg_sq": <full-shaped>},
-        # (one entry per parameter with state)
-      },
-      "param_groups": [                           # the optimizer's groups, in order
-        {"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.1, ..., "params": ["transformer.wte.weight", ...]},
-        # (one dict per param group)
-      ],
+      "state": {"transformer.wte.weight": {"step": tensor(5.), "exp_avg": <full-shaped>, ...}, ...},
+      "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": ["transformer.wte.weight", ...]}, ...],
     }
 
-Names are the canonical parameter names (the first name a tied parameter is registered under, as in
-``named_parameters()``); per-element state has the parameter's full shape.  It does not depend on the
-world size: :func:`load_full_optim_state_dict` loads it into a sharded optimizer at any world size,
-and :func:`optim_state_dict_to_torch` turns it into the dict that a plain torch optimizer built for
-the plain model takes (:func:`optim_state_dict_from_torch` goes the other way).
+Names are canonical parameter names (the first name a tied parameter is registered under, as in
+``named_parameters()``); per-element state has the parameter's full shape.  It does not depend on the world
+size: :func:`load_full_optim_state_dict` loads it at any world size, and :func:`optim_state_dict_to_torch` /
+:func:`optim_state_dict_from_torch` convert to / from a plain torch optimizer's ``state_dict()``.
 
 Example::
 
@@ -28,29 +26,154 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import math
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .. import comm
-from .index import ModelIndex, dict_mode, param_names, plan_on_every_rank, quiesce
-from .types import CheckpointError, str_to_dtype
-from .optim_index import (
-    SCALAR,
-    SHARDED,
-    VALUE,
-    check_groups,
-    group_hyperparams,
-    optimizer_groups,
-    sharded_local,
-    state_schema,
-    torch_state_dict,
-)
+from .model import (CheckpointError, ModelIndex, ParamInfo, dict_mode, dtype_to_str, full_value, gather_full,
+                    plan_on_every_rank, str_to_dtype)
 
-__all__ = ["full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch", "optim_state_dict_from_torch"]
+__all__ = ["full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch",
+           "optim_state_dict_from_torch"]
+
+SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
+_SKIP_GROUP_KEYS = ("params", "param_names")
 
 
+# ---------------------------------------------------------------------- the schema
+def optimizer_groups(index: ModelIndex, optimizer: torch.optim.Optimizer) -> List[List[ParamInfo]]:
+    """The optimizer's param groups as lists of :class:`ParamInfo`."""
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        infos = []
+        for p in group["params"]:
+            info = index.by_param_id.get(id(p))
+            if info is None:
+                raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter (shape {tuple(p.shape)}) that is not a "
+                                      "parameter of the sharded model; build the optimizer from model.parameters()")
+            infos.append(info)
+        out.append(infos)
+    return out
+
+
+def _describe(value: Any) -> Tuple[str, Optional[str], Any]:
+    """``(kind, dtype, value)`` of one optimizer state entry (value only for scalar and plain state)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return SHARDED, dtype_to_str(value.dtype), None
+    if isinstance(value, torch.Tensor):
+        return SCALAR, dtype_to_str(value.dtype), value.item()
+    return VALUE, None, value
+
+
+def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer, shard_group) -> Dict[str, Dict[str, Tuple]]:
+    """The union of every rank's state schema (collective when the world size is > 1)."""
+    local: Dict[str, Dict[str, Tuple]] = {}
+    for info in (i for infos in groups for i in infos):
+        for key, value in optimizer.state.get(info.param, {}).items():
+            desc = local.setdefault(info.fqn, {})[key] = _describe(value)
+            if desc[0] == SHARDED and value.numel() != info.piece.length:
+                raise CheckpointError(
+                    f"optimizer state {info.fqn!r}[{key!r}] has {value.numel()} elements, but this rank's piece of "
+                    f"the parameter has {info.piece.length}; only per-element state can be sharded")
+    merged: Dict[str, Dict[str, Tuple]] = {}
+    for schema in comm.all_gather_object(shard_group.world_group, local):
+        for fqn, entry in schema.items():
+            target = merged.setdefault(fqn, {})
+            for key, desc in entry.items():
+                if key in target and target[key][:2] != desc[:2]:
+                    raise CheckpointError(f"optimizer state {fqn!r}[{key!r}] differs between ranks: {target[key][:2]} vs {desc[:2]}")
+                target.setdefault(key, desc)
+    return merged
+
+
+def sharded_local(info: ParamInfo, optimizer: torch.optim.Optimizer, key: str, dtype: str) -> torch.Tensor:
+    """This rank's piece of a sharded state tensor (zeros if this rank has none)."""
+    value = optimizer.state.get(info.param, {}).get(key)
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(-1)
+    return torch.zeros(info.piece.length, dtype=str_to_dtype(dtype), device=info.flat.device)
+
+
+def state_value(kind: str, dtype: Optional[str], value: Any) -> Any:
+    """A scalar or plain entry of the schema as the optimizer holds it."""
+    return torch.tensor(value, dtype=str_to_dtype(dtype)) if kind == SCALAR else value
+
+
+# ---------------------------------------------------------------------- param groups
+def encode_value(value: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": dtype_to_str(value.dtype)}
+    if isinstance(value, (tuple, list)):
+        return [encode_value(v, where) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    raise CheckpointError(f"{where} = {value!r} of type {type(value).__name__} cannot be saved as JSON")
+
+
+def decode_value(value: Any, like: Any = None) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=str_to_dtype(value["dtype"]))
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        items = [decode_value(v) for v in value]
+        return tuple(items) if isinstance(like, tuple) or like is None else items
+    return value
+
+
+def group_hyperparams(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _SKIP_GROUP_KEYS}
+
+
+def encode_groups(optimizer: torch.optim.Optimizer, groups: List[List[ParamInfo]]) -> List[Dict[str, Any]]:
+    out = []
+    for g, (group, infos) in enumerate(zip(optimizer.param_groups, groups)):
+        enc = {k: encode_value(v, f"param_groups[{g}][{k!r}]") for k, v in group_hyperparams(group).items()}
+        enc["params"] = [i.fqn for i in infos]
+        out.append(enc)
+    return out
+
+
+def check_groups(saved: List[Dict[str, Any]], names: List[List[str]]) -> None:
+    """The saved groups must hold the same parameter names as the optimizer's groups."""
+    if len(saved) != len(names):
+        raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, the optimizer has {len(names)}")
+    for g, (s, mine) in enumerate(zip(saved, names)):
+        s_names = list(s.get("params", []))
+        if set(s_names) != set(mine):
+            missing = [n for n in mine if n not in s_names]
+            extra = [n for n in s_names if n not in mine]
+            raise CheckpointError(f"optimizer param_groups[{g}] differs: parameters not in the checkpoint's group: {missing}; "
+                                  f"in the checkpoint's group but not the optimizer's: {extra}")
+
+
+def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], state: Dict[str, Dict[str, Any]],
+                     hyper: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """``{"state": {index: ...}, "param_groups": [...]}`` in the optimizer's own parameter order."""
+    out_state: Dict[int, Any] = {}
+    out_groups = []
+    idx = 0
+    for group, group_names, h in zip(optimizer.param_groups, names, hyper):
+        ids = []
+        for name in group_names:
+            if name in state:
+                out_state[idx] = state[name]
+            ids.append(idx)
+            idx += 1
+        g = {k: decode_value(v, group.get(k)) if not isinstance(v, torch.Tensor) else v for k, v in h.items() if k not in _SKIP_GROUP_KEYS}
+        if "param_names" in group:
+            g["param_names"] = list(group["param_names"])
+        g["params"] = ids
+        out_groups.append(g)
+    return {"state": out_state, "param_groups": out_groups}
+
+
+# ---------------------------------------------------------------------- the full optimizer state dict
 def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> Dict[str, Any]:
     """Gather the optimizer state by parameter name with full-shaped tensors (collective).
 
@@ -61,58 +184,39 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
         if rank == 0:
             torch.save(osd, "optim.pt")
     """
-    quiesce(model, "full_optim_state_dict")
-    index = ModelIndex(model)
+    index = ModelIndex(model, "full_optim_state_dict")
     group = index.group
     groups = optimizer_groups(index, optimizer)
     schema = state_schema(groups, optimizer, group)
     receives = not rank0_only or group.world_rank == 0
-    gathers = not rank0_only or index.replica_index == 0
     state: Dict[str, Dict[str, Any]] = {}
-    for flat in model.flat_params:
+    for flat in index.flat_params if not rank0_only or group.replica_index == 0 else ():
         infos = [index.by_param_id[id(p)] for p in flat.params]
         keys: Dict[str, str] = {}
-        for info in infos:
-            for key, (kind, dtype, _) in schema.get(info.fqn, {}).items():
+        for i in infos:
+            for key, (kind, dtype, _) in schema.get(i.fqn, {}).items():
                 if kind == SHARDED:
                     keys.setdefault(key, dtype)
         for key, dtype in keys.items():
-            if not gathers:
-                break
-            local = torch.zeros(flat.layout.shard_numel, dtype=str_to_dtype(dtype), device=flat.device)
-            for info in infos:
-                if schema.get(info.fqn, {}).get(key, (None,))[0] == SHARDED:
-                    piece = info.piece
-                    local[piece.shard_start : piece.shard_start + piece.length].copy_(sharded_local(info, optimizer, key, dtype))
-            full = torch.empty(flat.layout.padded_numel, dtype=local.dtype, device=flat.device)
-            group.all_gather(full, local, async_op=False)
-            if receives:
-                for slot, info in zip(flat.layout.slots, infos):
-                    if schema.get(info.fqn, {}).get(key, (None,))[0] == SHARDED:
-                        t = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                        state.setdefault(info.fqn, {})[key] = t.to("cpu", copy=True)
-            del full, local
+            holders = [i for i in infos if schema.get(i.fqn, {}).get(key, (None,))[0] == SHARDED]
+            shard = torch.zeros(flat.layout.shard_numel, dtype=str_to_dtype(dtype), device=flat.device)
+            for info in holders:
+                piece = info.piece
+                shard[piece.shard_start : piece.shard_start + piece.length].copy_(sharded_local(info, optimizer, key, dtype))
+            full = gather_full(flat, group, shard)
+            for info in holders if receives else ():
+                slot = flat.layout.slots[info.slot_index]
+                state.setdefault(info.fqn, {})[key] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+            del full, shard
     if not receives:
         return {}
-    ordered: Dict[str, Dict[str, Any]] = {}
-    for infos in groups:
-        for info in infos:
-            if info.fqn not in schema:
-                continue
-            entry: Dict[str, Any] = {}
-            for key, (kind, dtype, value) in schema[info.fqn].items():
-                if kind == SHARDED:
-                    entry[key] = state[info.fqn][key]
-                elif kind == SCALAR:
-                    entry[key] = torch.tensor(value, dtype=str_to_dtype(dtype))
-                else:
-                    entry[key] = value
-            ordered[info.fqn] = entry
+    ordered = {info.fqn: {key: state[info.fqn][key] if kind == SHARDED else state_value(kind, dtype, value)
+                          for key, (kind, dtype, value) in schema[info.fqn].items()}
+               for infos in groups for info in infos if info.fqn in schema}
     param_groups = []
     for g, infos in zip(optimizer.param_groups, groups):
         hyper = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in group_hyperparams(g).items()}
-        hyper["params"] = [i.fqn for i in infos]
-        param_groups.append(hyper)
+        param_groups.append({**hyper, "params": [i.fqn for i in infos]})
     return {"state": ordered, "param_groups": param_groups}
 
 
@@ -127,43 +231,29 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
         osd = torch.load("optim.pt", weights_only=True) if rank == 0 else None
         load_full_optim_state_dict(model, optimizer, osd)
     """
-    quiesce(model, "load_full_optim_state_dict")
-    index = ModelIndex(model)
+    index = ModelIndex(model, "load_full_optim_state_dict")
     group = index.group
-    world = group.world_group
-    groups = optimizer_groups(index, optimizer)
-    names = [[i.fqn for i in infos] for infos in groups]
-    broadcast = dict_mode(group, optim_state_dict is not None, "load_full_optim_state_dict") == "broadcast"
-    plan = plan_on_every_rank(group, "broadcast" if broadcast else "local", lambda: _plan(index, names, optim_state_dict))
-    schema, hyper = plan
+    names = [[i.fqn for i in infos] for infos in optimizer_groups(index, optimizer)]
+    mode = dict_mode(group, optim_state_dict is not None, "load_full_optim_state_dict")
+    schema, hyper = plan_on_every_rank(group, mode, lambda: _plan(index, names, optim_state_dict))
     state: Dict[str, Dict[str, Any]] = {}
     for fqn, entry in schema.items():
-        info = index.params[fqn]
-        out: Dict[str, Any] = {}
+        info, out = index.params[fqn], state.setdefault(fqn, {})
         for key, (kind, dtype, value) in entry.items():
-            if kind == SHARDED:
-                if broadcast:
-                    src = optim_state_dict["state"][fqn][key] if group.world_rank == 0 else None
-                    full = torch.empty(info.numel, dtype=str_to_dtype(dtype), device=info.flat.device)
-                    if src is not None:
-                        full.copy_(src.detach().reshape(-1))
-                    comm.broadcast_tensor(world, full)
-                else:
-                    full = optim_state_dict["state"][fqn][key].detach().reshape(-1)
-                piece = info.piece
-                out[key] = full[piece.param_start : piece.param_start + piece.length].to(info.flat.device).clone()
-            elif kind == SCALAR:
-                out[key] = torch.tensor(value, dtype=str_to_dtype(dtype))
-            else:
-                out[key] = value
-        state[fqn] = out
+            if kind != SHARDED:
+                out[key] = state_value(kind, dtype, value)
+                continue
+            given = optim_state_dict["state"][fqn][key] if optim_state_dict is not None else None
+            full = full_value(group, mode, given, info.numel, str_to_dtype(dtype), info.flat.device)
+            piece = info.piece
+            out[key] = full[piece.param_start : piece.param_start + piece.length].to(info.flat.device).clone()
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
 
 
 def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
     """(schema, hyperparameter groups) of a full dict, after checking it against model and optimizer."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-        raise CheckpointError("a full optimizer state dict needs 'state' and 'param_groups' (see accel_flatshard.checkpoint.optim)")
+        raise CheckpointError("a full optimizer state dict needs 'state' and 'param_groups' (see accel_flatshard.state_dict.optim)")
     check_groups(osd["param_groups"], names)
     known = {n for group in names for n in group}
     schema: Dict[str, Dict[str, Any]] = {}
@@ -172,22 +262,19 @@ def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
         if fqn not in known:
             problems.append(f"state for {fqn!r}, which is not a parameter of this optimizer")
             continue
-        info = index.params[fqn]
-        desc = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                if tuple(value.shape) != info.shape:
-                    problems.append(f"state {fqn!r}[{key!r}] has shape {tuple(value.shape)}, the parameter has {info.shape}")
-                desc[key] = (SHARDED, str(value.dtype).replace("torch.", ""), None)
-            elif isinstance(value, torch.Tensor):
-                desc[key] = (SCALAR, str(value.dtype).replace("torch.", ""), value.item())
-            else:
-                desc[key] = (VALUE, None, value)
-        schema[fqn] = desc
+        shape = index.params[fqn].shape
+        schema[fqn] = {key: _describe(value) for key, value in entry.items()}
+        problems += [f"state {fqn!r}[{key!r}] has shape {tuple(value.shape)}, the parameter has {shape}"
+                     for key, value in entry.items() if schema[fqn][key][0] == SHARDED and tuple(value.shape) != shape]
     if problems:
         raise CheckpointError("full optimizer state dict does not match:\n  " + "\n  ".join(problems))
     return schema, [group_hyperparams(g) for g in osd["param_groups"]]
 
+
+# ---------------------------------------------------------------------- torch's format
+def _names_by_id(model: nn.Module) -> Dict[int, str]:
+    """``id(parameter) -> canonical name`` of any module (first registration, like ``named_parameters``)."""
+    return {id(p): n for n, p in model.named_parameters()}
 
 
 def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module,
@@ -200,7 +287,7 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
 
         plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
     """
-    ids = param_names(model)
+    ids = _names_by_id(model)
     names = []
     for g, group in enumerate(optimizer.param_groups):
         try:
@@ -223,7 +310,7 @@ def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
         osd = optim_state_dict_from_torch(plain_opt.state_dict(), plain_model, plain_opt)
         load_full_optim_state_dict(sharded_model, sharded_opt, osd)
     """
-    ids = param_names(model)
+    ids = _names_by_id(model)
     index_to_name: Dict[int, str] = {}
     groups = []
     for saved, group in zip(torch_osd["param_groups"], optimizer.param_groups):

@@ -1,0 +1,497 @@
+"""torch.distributed.checkpoint (DCP) for flat-parameter shards: planners, storage layer, and every DCP internal used.
+
+The state dict handed to DCP maps a key (a parameter's name, or ``state.<name>.<key>`` for optimizer state) to
+either a :class:`FlatRange` - elements ``[start, start + local.numel())`` of a row-major tensor of ``shape``,
+held in the 1-D tensor ``local`` (a rank's piece of a flat parameter or of its optimizer state) - or a plain
+tensor that every rank has whole (a buffer, an optimizer ``step``).  On save each range becomes at most
+``2 * ndim - 1`` rectangular chunks of the true shape (:func:`range_to_chunks`), so DCP's metadata holds an
+ordinary tensor for every key, whatever world size wrote it; on load each rank asks only for the saved chunks
+that intersect its own ranges - that is the resharding::
+
+    shape (4, 5), range [7, 18):        row 1, cols 2..4   -> offsets (1, 2) sizes (1, 3)
+                                        rows 2..2, all     -> offsets (2, 0) sizes (1, 5)
+                                        row 3, cols 0..2   -> offsets (3, 0) sizes (1, 3)
+
+DCP internals (checked on torch 2.13; this is the only module that touches them): ``filesystem._StorageInfo``
+(the per-item record in ``Metadata.storage_data``) and ``DEFAULT_SUFFIX`` let our writer's ``write_data`` and
+reader's ``read_data`` replace DCP's loops while keeping its file format (stock tools such as
+``dcp_to_torch_save`` read our checkpoints): the writer holds one chunk copy at a time (DCP 2.13 keeps every copy
+until the rank's file is done) and checksums while writing; the reader takes metadata we already loaded through
+an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load`` it) and reads each needed item once,
+checking its CRC32.  ``api.CheckpointException`` (every rank's errors) is turned back into the failing rank's own.
+
+Example::
+
+    entries = {"lm_head.weight": FlatRange(local_piece, start=piece.param_start, shape=(50257, 768))}
+    writer = dcp_save(entries, tmp_dir, FlatSavePlanner(), group)   # writer.written: (file, offset, length, crc32)
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import math
+import os
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX as _DCP_SUFFIX
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..state_dict.model import CheckpointError
+
+METADATA_FILE = ".metadata"  # DCP's name for its metadata file
+Shape = Tuple[int, ...]
+
+
+# ---------------------------------------------------------------------- rectangle arithmetic
+@dataclass(frozen=True)
+class Chunk:
+    """A rectangle of a tensor: ``offsets``/``sizes`` per dimension; ``flat_start`` is the flattened index of
+    its first element (every chunk made here covers ``[flat_start, flat_start + numel)``)."""
+
+    offsets: Shape
+    sizes: Shape
+    flat_start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def range_to_chunks(start: int, end: int, shape: Sequence[int]) -> List[Chunk]:
+    """Cut the flattened range ``[start, end)`` of a row-major tensor of ``shape`` into rectangles, in
+    flattened order, disjoint, together exactly the range."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"range [{start}, {end}) is outside a tensor of shape {shape} ({numel} elements)")
+    if end == start:
+        return []
+    if not shape:
+        return [Chunk((), (), 0)]
+    out, flat = [], start
+    for offsets, sizes in _rects(start, end, shape):
+        out.append(Chunk(offsets, sizes, flat))
+        flat += math.prod(sizes)
+    return out
+
+
+def _rects(start: int, end: int, shape: Shape) -> Iterator[Tuple[Shape, Shape]]:
+    if len(shape) == 1:
+        yield (start,), (end - start,)
+        return
+    inner = math.prod(shape[1:])
+    first_row, first_col = divmod(start, inner)
+    last_row, last_col = divmod(end, inner)
+    if first_row == last_row:  # inside one row
+        for off, size in _rects(first_col, last_col, shape[1:]):
+            yield (first_row,) + off, (1,) + size
+        return
+    if first_col:
+        for off, size in _rects(first_col, inner, shape[1:]):
+            yield (first_row,) + off, (1,) + size
+        first_row += 1
+    if last_row > first_row:
+        yield (first_row,) + (0,) * (len(shape) - 1), (last_row - first_row,) + shape[1:]
+    if last_col:
+        for off, size in _rects(0, last_col, shape[1:]):
+            yield (last_row,) + off, (1,) + size
+
+
+def flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:
+    """Row-major flattened index of the element at ``offsets``."""
+    index = 0
+    for off, dim in zip(offsets, shape):
+        index = index * dim + off
+    return index
+
+
+def intersect(a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int],
+              b_sizes: Sequence[int]) -> Optional[Tuple[Shape, Shape]]:
+    """The intersection of two rectangles as ``(offsets, sizes)``, or None when it is empty."""
+    lo, size = [], []
+    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes):
+        low, high = max(ao, bo), min(ao + asz, bo + bsz)
+        if high <= low:
+            return None
+        lo.append(low)
+        size.append(high - low)
+    return tuple(lo), tuple(size)
+
+
+def _is_flat_run(sizes: Sequence[int], shape: Sequence[int]) -> bool:
+    """True when a rectangle of ``sizes`` is one contiguous run of the flattened tensor: after the first
+    dimension whose size exceeds 1, every later dimension is full."""
+    partial = False
+    for s, d in zip(sizes, shape):
+        if partial and s != d:
+            return False
+        partial = partial or s > 1
+    return True
+
+
+def check_tiling(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> Optional[str]:
+    """None when ``chunks`` (offsets, sizes) tile a tensor of ``shape`` exactly; otherwise what is wrong.
+    Exact for chunks that are contiguous runs (every chunk this package writes); for other rectangles it
+    checks bounds and total volume only."""
+    shape = tuple(int(s) for s in shape)
+    runs = []
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return f"chunk at {tuple(offsets)} has rank {len(offsets)}, tensor has rank {len(shape)}"
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            return f"chunk at {tuple(offsets)} of size {tuple(sizes)} exceeds shape {shape}"
+        runs.append((flat_index(offsets, shape), math.prod(sizes), _is_flat_run(sizes, shape)))
+    total = sum(n for _, n, _ in runs)
+    if total != math.prod(shape):
+        return f"chunks cover {total} elements, tensor has {math.prod(shape)}"
+    if all(c for _, _, c in runs):
+        cursor = 0
+        for start, n, _ in sorted(runs):
+            if start != cursor:
+                return f"chunks overlap or leave a gap at flattened index {min(start, cursor)}"
+            cursor += n
+    return None
+
+
+# ---------------------------------------------------------------------- planners
+@dataclass
+class FlatRange:
+    """Elements ``[start, start + local.numel())`` of a row-major tensor of ``shape``, held in ``local``."""
+
+    local: torch.Tensor
+    start: int
+    shape: Tuple[int, ...]
+
+    def chunks(self) -> List[Chunk]:
+        return range_to_chunks(self.start, self.start + self.local.numel(), self.shape)
+
+    def view(self, chunk: Chunk) -> torch.Tensor:
+        lo = chunk.flat_start - self.start
+        return self.local[lo : lo + chunk.numel].view(chunk.sizes)
+
+
+Entry = Union[FlatRange, torch.Tensor]
+
+
+def _chunks_of(entry: Entry) -> List[Chunk]:
+    if isinstance(entry, FlatRange):
+        return entry.chunks()
+    return [Chunk((0,) * entry.dim(), tuple(entry.shape), 0)] if entry.numel() else []
+
+
+def _view(entry: Entry, chunk: Chunk) -> torch.Tensor:
+    return entry.view(chunk) if isinstance(entry, FlatRange) else entry
+
+
+def _dtype(entry: Entry) -> torch.dtype:
+    return entry.local.dtype if isinstance(entry, FlatRange) else entry.dtype
+
+
+class FlatSavePlanner(SavePlanner):
+    """Writes each :class:`FlatRange` as chunks of its true shape and each plain tensor once."""
+
+    def set_up_planner(self, state_dict: Dict[str, Entry], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self._views: Dict[Tuple[str, Shape], Tuple[Entry, Chunk]] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, entry in self.state_dict.items():
+            kind = WriteItemType.SHARD if isinstance(entry, FlatRange) else WriteItemType.TENSOR
+            for chunk in _chunks_of(entry):
+                self._views[(key, chunk.offsets)] = (entry, chunk)
+                items.append(WriteItem(index=MetadataIndex(key, chunk.offsets), type=kind, tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)),
+                    properties=TensorProperties(dtype=_dtype(entry)), size=torch.Size(entry.shape))))
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        """Drop duplicates (a plain tensor offered by several ranks is written by the first) and build the
+        metadata; check that every key's chunks tile its shape exactly."""
+        seen = set()
+        md: Dict[str, TensorStorageMetadata] = {}
+        new_plans = []
+        for plan in all_plans:
+            kept = []
+            for item in plan.items:
+                if item.index in seen:
+                    continue
+                seen.add(item.index)
+                td = item.tensor_data
+                entry = md.setdefault(item.index.fqn, TensorStorageMetadata(td.properties, td.size, []))
+                if entry.size != td.size or entry.properties.dtype != td.properties.dtype:
+                    raise CheckpointError(
+                        f"{item.index.fqn}: ranks disagree on shape/dtype ({tuple(entry.size)}, {entry.properties.dtype}) "
+                        f"vs ({tuple(td.size)}, {td.properties.dtype})")
+                entry.chunks.append(td.chunk)
+                kept.append(item)
+            new_plans.append(SavePlan(kept, storage_data=plan.storage_data, planner_data=plan.planner_data))
+        for key, entry in md.items():
+            problem = check_tiling(entry.size, [(c.offsets, c.sizes) for c in entry.chunks])
+            if problem:
+                raise CheckpointError(f"{key}: the ranks' shards do not form the whole tensor: {problem}")
+            entry.chunks.sort(key=lambda c: flat_index(c.offsets, entry.size))
+        return new_plans, Metadata(state_dict_metadata=md)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        entry, chunk = self._views[(write_item.index.fqn, tuple(write_item.index.offset))]
+        return _view(entry, chunk).detach()
+
+
+class FlatLoadPlanner(LoadPlanner):
+    """Reads, for every target range or tensor, exactly the parts of the saved chunks it overlaps."""
+
+    def set_up_planner(self, state_dict: Dict[str, Entry], metadata: Metadata = None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self._targets: Dict[Tuple[str, Shape], torch.Tensor] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(plan_reads(self.state_dict, self.metadata, self._targets))
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointError(f"{read_item.dest_index.fqn}: pickled objects are never loaded from a checkpoint")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        view = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor returned a view of the destination: the data is already in place
+
+
+def plan_reads(state_dict: Dict[str, Entry], metadata: Metadata,
+               targets: Optional[Dict[Tuple[str, Shape], torch.Tensor]] = None) -> List[ReadItem]:
+    """The read items that fill every entry of ``state_dict`` from ``metadata``'s chunks; ``targets``
+    (optional) receives the destination view of each target chunk.  Raises :class:`CheckpointError` when a
+    key is missing or its chunks do not cover a target."""
+    items: List[ReadItem] = []
+    for key, entry in state_dict.items():
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{key}: not found as a tensor in the DCP metadata")
+        shape = tuple(md.size)
+        if shape != tuple(entry.shape):
+            raise CheckpointError(f"{key}: checkpoint shape {shape}, expected {tuple(entry.shape)}")
+        saved = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        # chunks that are contiguous runs (ours) are found by bisecting their sorted flat starts; others all tried
+        order = sorted(range(len(saved)), key=lambda i: flat_index(saved[i][0], shape))
+        starts = [flat_index(saved[i][0], shape) for i in order]
+        runs = all(_is_flat_run(size, shape) for _, size in saved)
+        for ti, target in enumerate(_chunks_of(entry)):
+            if targets is not None:
+                targets[(key, target.offsets)] = _view(entry, target)
+            first = max(bisect.bisect_right(starts, target.flat_start) - 1, 0) if runs else 0
+            end = bisect.bisect_left(starts, target.flat_start + target.numel) if runs else len(order)
+            covered = 0
+            for si in order[first:end]:
+                s_off, s_size = saved[si]
+                inter = intersect(target.offsets, target.sizes, s_off, s_size)
+                if inter is None:
+                    continue
+                off, size = inter
+                covered += math.prod(size)
+                items.append(ReadItem(
+                    type=LoadItemType.TENSOR, dest_index=MetadataIndex(key, target.offsets, ti),
+                    dest_offsets=torch.Size(o - t for o, t in zip(off, target.offsets)),
+                    storage_index=MetadataIndex(key, s_off, si),
+                    storage_offsets=torch.Size(o - s for o, s in zip(off, s_off)), lengths=torch.Size(size)))
+            if covered != target.numel:
+                raise CheckpointError(
+                    f"{key}: the checkpoint holds {covered} of the {target.numel} elements needed at "
+                    f"offsets {target.offsets} (chunks missing or overlapping)")
+    return items
+
+
+# ---------------------------------------------------------------------- storage layer
+def storage_records(md: Metadata, source: str = "checkpoint") -> Dict[MetadataIndex, Tuple[str, int, int]]:
+    """``{storage index: (file name, byte offset, byte length)}`` from DCP's filesystem metadata."""
+    if not isinstance(md.storage_data, dict):
+        raise CheckpointError(f"{source}: metadata has no storage records")
+    out = {}
+    for index, info in md.storage_data.items():
+        rel, off, length = (getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None))
+        if not isinstance(index, MetadataIndex) or not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+            raise CheckpointError(f"{source}: malformed storage record {index!r}: {info!r}")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{source}: item {index.fqn!r} uses stream transforms {info.transform_descriptors}, which this loader does not support")
+        out[index] = (rel, off, length)
+    return out
+
+
+class RecordingWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
+    ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), with each item's CRC32 computed
+    while writing, then fsyncs.  ``written`` lists ``(file, offset, length, crc32)`` per item afterwards."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.written: List[Tuple[str, int, int, int]] = []
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:  # type: ignore[override]
+        name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
+        results, self.written = [], []
+        with open(os.path.join(str(self.path), name), "wb") as f:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise CheckpointError(f"{item.index.fqn}: only tensors are written to checkpoints")
+                tensor = planner.resolve_data(item).detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # torch.save would write the whole underlying storage
+                buf = io.BytesIO()
+                torch.save(tensor, buf)
+                del tensor
+                data = buf.getbuffer()
+                offset = f.tell()
+                f.write(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
+                                           storage_data=_StorageInfo(name, offset, len(data))))
+                self.written.append((name, offset, len(data), zlib.crc32(data)))
+                del data, buf
+            f.flush()
+            os.fsync(f.fileno())
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+
+class _PreloadedReader(FileSystemReader):
+    """``FileSystemReader`` that uses metadata we already loaded safely and reads each needed item once: checks
+    its length and CRC32, ``torch.load(weights_only=True)``, checks dtype and shape, then copies the requested
+    parts into the targets.  Errors name the file and the tensor."""
+
+    def __init__(self, path: str, metadata: Metadata, crcs: Optional[Dict[Tuple[str, int, int], int]] = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self._crcs = crcs
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("rank-local DCP metadata is not supported")
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        records = storage_records(self._metadata)
+        by_item: Dict[MetadataIndex, List[ReadItem]] = {}
+        for req in plan.items:
+            by_item.setdefault(req.storage_index, []).append(req)
+        per_file: Dict[str, List[Tuple[int, int, MetadataIndex]]] = {}
+        for sidx in by_item:
+            name, off, length = records[sidx]
+            per_file.setdefault(name, []).append((off, length, sidx))
+        for name, items in per_file.items():
+            path = os.path.join(str(self.path), name)
+            with open(path, "rb") as f:
+                for off, length, sidx in sorted(items, key=lambda t: t[0]):
+                    tensor = self._read_item(f, path, name, off, length, sidx)
+                    for req in by_item[sidx]:
+                        src = tensor
+                        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                            src = src.narrow(dim, o, n)
+                        dst = planner.resolve_tensor(req).detach()
+                        if dst.shape != src.shape:
+                            raise CheckpointError(f"{path}: {sidx.fqn!r} read {tuple(src.shape)} for a target of {tuple(dst.shape)}")
+                        dst.copy_(src)
+                        planner.commit_tensor(req, dst)
+                    del tensor
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, f, path: str, name: str, off: int, length: int, sidx: MetadataIndex) -> torch.Tensor:
+        where = f"{path}: {sidx.fqn!r} at offsets {tuple(sidx.offset or ())}"
+        f.seek(off)
+        data = f.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{where}: only {len(data)} of {length} bytes at byte {off} (truncated file)")
+        if self._crcs is not None:
+            expected = self._crcs.get((name, off, length))
+            if expected is None:
+                raise CheckpointError(f"{where}: no checksum recorded for bytes [{off}, {off + length})")
+            if zlib.crc32(data) != expected:
+                raise CheckpointError(f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{where}: cannot read tensor data ({type(e).__name__}: {e}); the file is corrupt") from None
+        md = self._metadata.state_dict_metadata.get(sidx.fqn)
+        chunk = None
+        if isinstance(md, TensorStorageMetadata) and sidx.index is not None and sidx.index < len(md.chunks):
+            chunk = md.chunks[sidx.index]
+        if not isinstance(tensor, torch.Tensor) or (isinstance(md, TensorStorageMetadata) and tensor.dtype != md.properties.dtype) \
+                or (chunk is not None and tuple(tensor.shape) != tuple(chunk.sizes)):
+            got = f"{type(tensor).__name__} {getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}"
+            raise CheckpointError(f"{where}: holds {got}, the metadata says {getattr(getattr(md, 'properties', None), 'dtype', '?')} "
+                                  f"{tuple(chunk.sizes) if chunk is not None else ''}")
+        return tensor
+
+
+def dcp_save(state_dict: Dict[str, Entry], directory: str, planner: SavePlanner,
+             group: Optional[dist.ProcessGroup]) -> RecordingWriter:
+    """Run DCP's save with ``planner`` and our writer (``group=None``: one process); returns the writer."""
+    writer = RecordingWriter(directory)
+    with warnings.catch_warnings(), _reraise_plainly("save", directory):
+        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=group is None)
+    return writer
+
+
+def dcp_load(state_dict: Dict[str, Entry], directory: str, metadata: Metadata, planner: LoadPlanner,
+             group: Optional[dist.ProcessGroup], crcs: Optional[Dict[Tuple[str, int, int], int]] = None) -> None:
+    """Run DCP's load with ``planner`` and the already validated metadata (``group=None``: offline);
+    ``crcs`` maps ``(file, offset, length)`` to the CRC32 every item read must have (None: no check)."""
+    reader = _PreloadedReader(directory, metadata, crcs)
+    with warnings.catch_warnings(), _reraise_plainly("load", directory):
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group,
+                 no_dist=group is None)
+
+
+class _reraise_plainly:
+    """Turn DCP's ``CheckpointException`` (a BaseException carrying every rank's error) into the first
+    rank's own exception when it is ours, else a :class:`CheckpointError` that names the ranks."""
+
+    def __init__(self, what: str, directory: str) -> None:
+        self.what, self.directory = what, directory
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, CheckpointException):
+            return False
+        failures = exc.failures
+        first_rank = min(failures)
+        inner = failures[first_rank][0] if isinstance(failures[first_rank], tuple) else failures[first_rank]
+        if isinstance(inner, CheckpointError):
+            raise type(inner)(str(inner)) from exc
+        raise CheckpointError(
+            f"DCP {self.what} of {self.directory} failed on ranks {sorted(failures)}; rank {first_rank}: "
+            f"{type(inner).__name__}: {inner}") from exc

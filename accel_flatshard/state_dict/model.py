@@ -1,0 +1,460 @@
+"""A sharded model's state dict in memory: which wrapper shards a module, where each entry lives, the full dict.
+
+After ``FullyShardedDataParallel(model)`` (or ``accelerator.prepare``) both the wrapper and ``model`` hold 1-D
+slices of the parameters.  Code written for DDP or torch FSDP calls ``state_dict()`` on either
+(``save_pretrained`` without ``state_dict=``, PEFT's ``get_peft_model_state_dict``,
+``accelerator.save(model.state_dict(), path)``); a dict of slices would be written as a corrupt model.  So, as
+torch FSDP's default ``FULL_STATE_DICT`` with ``rank0_only=True, offload_to_cpu=True`` (accelerate's setting):
+
+* ``state_dict()`` of either is **collective**: a rendezvous first (:func:`require_all_ranks`: a call under
+  ``if is_main_process:`` fails within seconds and writes no weights), then :func:`full_state_dict` gathers one
+  flat parameter at a time; global rank 0 gets the plain model's keys on CPU (tied parameters share one
+  tensor), other ranks ``{}``;
+* the wrapper's ``load_state_dict(full)`` is :func:`load_full_state_dict`: every rank passes the dict, or rank 0
+  passes it and the others ``{}``/``None`` (each tensor is then broadcast from rank 0);
+* inside ``summon_full_params()`` both are the module's own (parameters are full already, no gather);
+* this rank's slices go by explicit names: ``wrapper.local_state_dict()`` / ``load_local_state_dict()`` (same
+  world size and rank) and, inside, the context :func:`local_slices`.
+
+:func:`install` (at wrap time, collective: it creates a gloo group over the model's ranks) stores one
+:class:`ShardedModuleRecord` on both the wrapper and the user's module (``__dict__``, so a dropped model leaves
+nothing behind); :func:`find_wrapper` is the package's one wrapped-model detection.  :class:`ModelIndex` maps
+every state-dict key to its flat parameter, slot and this rank's piece.
+
+Example::
+
+    sd = full_state_dict(model)                 # rank 0: the plain model's dict on CPU; other ranks: {}
+    if rank == 0:
+        plain.load_state_dict(sd)
+    load_full_state_dict(model, sd if rank == 0 else None)   # rank 0's dict is broadcast per tensor
+    index = ModelIndex(model, "my check")
+    index.params["lm_head.weight"].aliases                   # ("transformer.wte.weight", "lm_head.weight")
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .. import comm, options
+from ..unit import UnitState
+
+__all__ = ["CheckpointError", "UnsafeCheckpointError", "install", "find_wrapper", "local_slices", "ModelIndex",
+           "gather_full", "full_state_dict", "load_full_state_dict", "LoadResult"]
+
+TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
+# how long ranks other than 0 wait for rank 0 (which often arrives late: it writes config files first)
+_PEER_TIMEOUT = datetime.timedelta(minutes=30)
+_ATTR = "_flatshard_record"
+# what nn.Module.load_state_dict returns (its own class is private); accelerate's load_fsdp_model returns it too
+LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
+
+
+# ---------------------------------------------------------------------- errors and dtype names
+class CheckpointError(RuntimeError):
+    """A state dict or checkpoint cannot be saved or loaded; the message names the key or file and what differs."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asks to run code (e.g. a pickle referencing a non-allowed global)."""
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def str_to_dtype(name: str, source: str = "checkpoint") -> torch.dtype:
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"{source}: unknown dtype {name!r}")
+    return value
+
+
+def agree(group, error: Union[None, str, BaseException]) -> None:
+    """:func:`comm.agree_on_error` with this package's error classes (a string becomes a CheckpointError)."""
+    if isinstance(error, str):
+        error = CheckpointError(error)
+    comm.agree_on_error(group, error, (CheckpointError, UnsafeCheckpointError), CheckpointError)
+
+
+# ---------------------------------------------------------------------- which wrapper shards a module
+class ShardedModuleRecord:
+    """The wrapper of a sharded module (the module's parameters stay shards as long as it lives, so the wrapper
+    that can gather them must live as long), its ``ensure_idle``, the gloo rendezvous group, the slices depth."""
+
+    def __init__(self, wrapper: nn.Module, ensure_idle: Callable[[str], None]) -> None:
+        self.wrapper = lambda: wrapper
+        self.ensure_idle = ensure_idle  # handed down by the wrapper: refuse during forward/backward, drain
+        self.local_depth = 0  # > 0 while a caller wants this rank's slices
+        group = wrapper.shard_group
+        self.world_size, self.world_rank = group.world_size, group.world_rank
+        # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
+        # group and has no peers to wait for: no rendezvous there
+        self.gloo_group = comm.new_gloo_group(group.world_group) if self.world_size > 1 and group.backend != "fake" else None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "accel_flatshard: pickling a sharded model (e.g. torch.save(model)) would store this rank's 1-D "
+            "slices of its parameters; save its state dict instead (`state = accelerator.unwrap_model(model)"
+            ".state_dict()` on every rank, `torch.save(state, path)` on the main process) or use save_pretrained")
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedModuleRecord":
+        # a deep copy of the module is a separate, unsharded-looking model: it must not gather ours
+        copy = object.__new__(ShardedModuleRecord)
+        copy.__dict__.update(self.__dict__, wrapper=lambda: None)
+        return copy
+
+
+def install(wrapper: nn.Module, ensure_idle: Callable[[str], None]) -> None:
+    """Record ``wrapper`` on itself and its module and make the module's ``state_dict()`` the full one
+    (collective at wrap time: it creates a gloo group over the model's ranks)."""
+    record = ShardedModuleRecord(wrapper, ensure_idle)
+    wrapper.__dict__[_ATTR] = record
+    wrapper.module.__dict__[_ATTR] = record
+    wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
+
+
+def record_of(module: Any) -> Optional[ShardedModuleRecord]:
+    return getattr(module, "__dict__", {}).get(_ATTR)
+
+
+def find_wrapper(module: Any) -> Optional[nn.Module]:
+    """The accel_flatshard wrapper of ``module`` (the wrapper itself or the module it wraps), else None."""
+    record = record_of(module)
+    return None if record is None else record.wrapper()
+
+
+@contextlib.contextmanager
+def local_slices(module: nn.Module) -> Iterator[None]:
+    """Inside, ``module.state_dict()`` returns this rank's 1-D slices (no gather)."""
+    record = record_of(module)
+    if record is not None:
+        record.local_depth += 1
+    try:
+        yield
+    finally:
+        if record is not None:
+            record.local_depth -= 1
+
+
+def require_all_ranks(wrapper: nn.Module, what: str) -> None:
+    """Fail within seconds on rank 0 (instead of hanging) when the other ranks do not join ``what``."""
+    record = record_of(wrapper)
+    if record is None or record.gloo_group is None:
+        return
+    timeout_s = options.get(TIMEOUT_ENV)
+    timeout = datetime.timedelta(seconds=timeout_s) if record.world_rank == 0 else _PEER_TIMEOUT
+    problem = comm.rendezvous_or_fail(record.gloo_group, timeout)
+    if problem is not None:
+        raise RuntimeError(
+            f"accel_flatshard: {what} of {type(wrapper.module).__name__} is collective (its parameters are sharded "
+            f"over {record.world_size} ranks), but rank {record.world_rank} waited {timeout_s:g} s and the other "
+            f"ranks did not join ({problem}). Call it on every rank, not under `if accelerator.is_main_process:`: "
+            "`accelerator.unwrap_model(model).save_pretrained(dir, is_main_process=accelerator.is_main_process)` "
+            "on every rank, or `sd = accelerator.get_state_dict(model)` / `model.state_dict()` (or "
+            "`accelerator.save_model(model, dir)`) on every rank and write `sd` on the main process only. No model "
+            f"weights were written. If the ranks are just far apart in time, raise {TIMEOUT_ENV} (now {timeout_s:g})."
+        )
+
+
+def _summoned(wrapper: nn.Module) -> bool:
+    return any(u.state == UnitState.SUMMONED for u in wrapper.units)
+
+
+# ---------------------------------------------------------------------- where every entry lives
+@dataclass
+class ParamInfo:
+    """One original parameter (one slot), under its canonical name ``fqn`` (first registration)."""
+
+    fqn: str
+    aliases: Tuple[str, ...]  # every state-dict key of this parameter, canonical first
+    shape: Tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    flat: Any  # FlatParameter
+    slot_index: int
+    param: nn.Parameter
+
+    @property
+    def piece(self):
+        return self.flat.pieces[self.slot_index]
+
+    def local(self) -> torch.Tensor:
+        """This rank's part of the flattened parameter (1-D view of ``local_shard``, maybe empty)."""
+        piece = self.piece
+        return self.flat.local_shard.narrow(0, piece.shard_start, piece.length)
+
+
+class ModelIndex:
+    """Parameters (by canonical name), buffers and state-dict key order of a wrapped model, taken once the
+    wrapper is idle: ``what`` is refused during forward/backward and in-flight collectives finish first."""
+
+    def __init__(self, model: nn.Module, what: str) -> None:
+        record = record_of(model)
+        if record is None or record.wrapper() is not model:
+            raise TypeError(f"expected an accel_flatshard FullyShardedDataParallel model, got {type(model).__name__}")
+        record.ensure_idle(what)
+        self.module: nn.Module = model.module
+        self.group = model.shard_group
+        self.flat_params = model.flat_params
+        by_id = {id(p) for flat in self.flat_params for p in flat.params}
+        names: Dict[int, List[str]] = {}
+        self.param_of_key: Dict[str, str] = {}  # every state-dict key of a parameter -> canonical name
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.extra: Dict[str, Any] = {}
+        with local_slices(self.module):
+            local = self.module.state_dict(keep_vars=True)
+        self.keys: List[str] = list(local)
+        for key, value in local.items():
+            if isinstance(value, nn.Parameter) and id(value) in by_id:
+                names.setdefault(id(value), []).append(key)
+            elif isinstance(value, torch.Tensor):
+                self.buffers[key] = value
+            else:
+                self.extra[key] = value
+        self.params: Dict[str, ParamInfo] = {}
+        self.by_param_id: Dict[int, ParamInfo] = {}
+        for flat in self.flat_params:
+            for i, (slot, p) in enumerate(zip(flat.layout.slots, flat.params)):
+                keys = names.get(id(p), [])
+                canonical = slot.fqn if slot.fqn in keys or not keys else keys[0]
+                aliases = tuple([canonical] + [k for k in keys if k != canonical])
+                info = ParamInfo(canonical, aliases, tuple(slot.shape), slot.numel, flat.dtype, flat, i, p)
+                self.params[canonical] = info
+                self.by_param_id[id(p)] = info
+                for k in aliases:
+                    self.param_of_key[k] = canonical
+
+    def describe(self) -> Dict[str, Any]:
+        """The JSON description of the model's tensors (canonical names, shapes, dtypes, aliases)."""
+        tensors: Dict[str, Any] = {}
+        for name, info in self.params.items():
+            tensors[name] = {"kind": "param", "shape": list(info.shape), "dtype": dtype_to_str(info.dtype),
+                             "aliases": list(info.aliases[1:])}
+        for name, buf in self.buffers.items():
+            tensors[name] = {"kind": "buffer", "shape": list(buf.shape), "dtype": dtype_to_str(buf.dtype)}
+        return tensors
+
+
+# ---------------------------------------------------------------------- collective helpers
+def gather_full(flat: Any, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The padded full tensor of flat parameter ``flat`` from every rank's ``shard`` (default: its parameter
+    shard; an optimizer state shard of the same layout works too), on ``flat.device`` (collective over ``group``,
+    the model's ShardGroup).  Slot ``s`` of the result is ``full[s.offset : s.offset + s.numel].view(s.shape)``."""
+    shard = flat.local_shard if shard is None else shard
+    full = torch.empty(flat.layout.padded_numel, dtype=shard.dtype, device=flat.device)
+    group.all_gather(full, shard.to(flat.device), async_op=False)  # (.to: under offload the shard is host memory)
+    return full
+
+
+def dict_mode(group, has_dict: bool, what: str) -> str:
+    """Collective: ``"local"`` when every rank passed a dict, ``"broadcast"`` when only global rank 0 did
+    (its tensors are then broadcast one at a time); otherwise an error on every rank."""
+    flags = comm.all_gather_object(group.world_group if group.world_size > 1 else None, has_dict)
+    if all(flags):
+        return "local"
+    if flags[0] and not any(flags[1:]):
+        return "broadcast"
+    raise CheckpointError(f"{what}: pass the dict on every rank, or on rank 0 only (None elsewhere); "
+                          f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
+
+
+def plan_on_every_rank(group, mode: str, make_plan: Callable[[], Any]) -> Any:
+    """``make_plan()`` (which raises CheckpointError/ValueError for a bad dict) run where the dict is: on
+    rank 0 then broadcast (``mode == "broadcast"``), or on every rank with the error agreed on."""
+    error = plan = None
+    if mode == "local" or group.world_rank == 0:
+        try:
+            plan = make_plan()
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    world = group.world_group if group.world_size > 1 else None
+    if mode == "broadcast":
+        plan, error = comm.broadcast_object(world, (plan, error))
+        if error is not None:
+            raise CheckpointError(error)
+        return plan
+    agree(world, error)
+    return plan
+
+
+def full_value(group, mode: str, value: Optional[torch.Tensor], numel: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """One full tensor of a dict being loaded, flattened: this rank's own (``mode == "local"``), or global rank
+    0's broadcast to every rank (``value`` is None elsewhere).  Callers then take their slice of it."""
+    if mode == "local":
+        return value.detach().reshape(-1)
+    buf = (value.detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
+           if group.world_rank == 0 else torch.empty(numel, dtype=dtype, device=device))
+    return comm.broadcast_tensor(group.world_group, buf)
+
+
+# ---------------------------------------------------------------------- the full state dict
+def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool = True) -> Dict[str, Any]:
+    """Gather the plain model's state dict from a sharded model (collective: call on every rank).
+
+    Exactly what the plain model's ``state_dict()`` returns (same keys, order, shapes; tied parameters under
+    every name, sharing one tensor; persistent buffers), so it loads with ``plain.load_state_dict(sd)`` and
+    saves with ``save_pretrained(state_dict=sd)``.  Peak memory on rank 0 is the result plus one gathered flat
+    parameter (none on ranks outside rank 0's shard group under hybrid sharding).
+
+    Args:
+        model: a ``FullyShardedDataParallel`` model (outside forward/backward).
+        rank0_only: only global rank 0 receives the dict; other ranks get ``{}``.
+        cpu_offload: return CPU tensors (copies); otherwise tensors stay on the model's device.
+    """
+    index = ModelIndex(model, "full_state_dict")
+    require_all_ranks(model, "gathering the full state dict")  # a main-process-only call fails fast
+    group = index.group
+    receives = not rank0_only or group.world_rank == 0
+    full_of: Dict[int, torch.Tensor] = {}
+    if not rank0_only or group.replica_index == 0:  # only rank 0's shard group must gather
+        for flat in index.flat_params:
+            full = gather_full(flat, group)
+            if receives:
+                for slot, p in zip(flat.layout.slots, flat.params):
+                    full_of[id(p)] = _copy(full[slot.offset : slot.offset + slot.numel].view(slot.shape), cpu_offload)
+            del full
+    if not receives:
+        return {}
+    with local_slices(index.module):
+        local = index.module.state_dict(keep_vars=True)
+    out: Dict[str, Any] = {}
+    for key, value in local.items():
+        if isinstance(value, nn.Parameter) and id(value) in full_of:
+            out[key] = full_of[id(value)]
+        else:
+            out[key] = _copy(value, cpu_offload) if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if cpu_offload else t.clone()
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]], strict: bool = True) -> None:
+    """Load a full (plain-model) state dict into a sharded model; each rank keeps only its slices (collective).
+
+    Every rank passes the dict, or only global rank 0 passes it and the others ``None`` (each tensor is then
+    broadcast from rank 0 in turn, so no rank holds more than one extra tensor).  ``strict``: every key of the
+    model present and no other (like ``nn.Module.load_state_dict``); with ``strict=False`` missing keys keep
+    their values, unexpected ones are ignored, a tied parameter loads from whichever of its names is present.
+    Shapes must always match; values are cast to the parameter's dtype.
+
+    Example::
+
+        sd = torch.load("model.pt", weights_only=True) if rank == 0 else None
+        load_full_state_dict(model, sd)
+    """
+    index = ModelIndex(model, "load_full_state_dict")
+    group = index.group
+    if group.world_size == 1 and state_dict is None:
+        raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
+    mode = dict_mode(group, state_dict is not None, "load_full_state_dict")
+    sources: Dict[str, str] = plan_on_every_rank(group, mode, lambda: _validate(index, state_dict, strict))
+
+    def value_of(key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return full_value(group, mode, state_dict[key] if state_dict is not None else None, numel, dtype, device)
+
+    with torch.no_grad():
+        for name, info in index.params.items():
+            if name in sources:
+                piece = info.piece
+                full = value_of(sources[name], info.numel, info.dtype, info.flat.device)
+                info.local().copy_(full[piece.param_start : piece.param_start + piece.length])
+        for name, tensor in index.buffers.items():
+            if name in sources:
+                tensor.copy_(value_of(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape))
+
+
+def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Dict[str, str]:
+    """Which dict key feeds each parameter/buffer; raises a CheckpointError naming every problem."""
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"load_full_state_dict: expected a dict, got {type(sd).__name__}")
+    problems: List[str] = []
+    missing = [k for k in index.keys if k not in sd and k not in index.extra]
+    unexpected = [k for k in sd if k not in index.param_of_key and k not in index.buffers and k not in index.extra]
+    sources: Dict[str, str] = {}
+    expected = [(name, info.aliases, info.shape) for name, info in index.params.items()]
+    for name, aliases, shape in expected + [(n, (n,), tuple(b.shape)) for n, b in index.buffers.items()]:
+        present = [k for k in aliases if k in sd]
+        if present:
+            sources[name] = present[0]
+        for k in present:
+            if not isinstance(sd[k], torch.Tensor):
+                problems.append(f"{k}: expected a tensor, got {type(sd[k]).__name__}")
+            elif tuple(sd[k].shape) != tuple(shape):
+                problems.append(f"size mismatch for {k}: checkpoint has shape {tuple(sd[k].shape)}, the model "
+                                f"expects {tuple(shape)}")
+    if strict and missing:
+        tied = [k for k in missing if k in index.param_of_key and k not in sources.values()
+                and index.param_of_key[k] in sources]
+        hint = (f" ({tied} share a parameter with a key that is present, as in save_pretrained output; "
+                "pass strict=False to load tied parameters from any of their names)") if tied else ""
+        problems.insert(0, f"missing keys: {missing}{hint}")
+    if strict and unexpected:
+        problems.insert(0, f"unexpected keys: {unexpected}")
+    if problems:
+        raise CheckpointError(f"error(s) loading a full state dict into {type(index.module).__name__}:\n  "
+                              + "\n  ".join(problems))
+    return sources
+
+
+# ---------------------------------------------------------------------- what state_dict() returns
+def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """The state-dict post-hook on the user's module: replaces this rank's slices by the full values."""
+    record = record_of(module)
+    wrapper = record.wrapper() if record is not None else None
+    if wrapper is None or record.local_depth > 0 or _summoned(wrapper):
+        return
+    full = full_state_dict(wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
+    if record.world_rank == 0:
+        for key, value in full.items():
+            state_dict[prefix + key] = value  # existing keys: order is kept
+    else:
+        for key in _local_keys(module):
+            state_dict.pop(prefix + key, None)
+
+
+def _local_keys(module: nn.Module) -> List[str]:
+    with local_slices(module):
+        return list(module.state_dict(keep_vars=True))
+
+
+def state_dict(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    """The wrapper's ``state_dict()``: the module's, i.e. the full dict (keys without a wrapper prefix)."""
+    return wrapper.module.state_dict(*args, **kwargs)
+
+
+def local_state_dict_of(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    """The wrapper's ``local_state_dict()``: this rank's 1-D slices under the original names (no collective);
+    loads back at the same world size."""
+    with local_slices(wrapper.module):
+        return wrapper.module.state_dict(*args, **kwargs)
+
+
+def load_local_state_dict(wrapper: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> Any:
+    """Load slices from :func:`local_state_dict_of` (same world size and rank)."""
+    return wrapper.module.load_state_dict(state_dict, strict=strict)
+
+
+def load_state_dict(wrapper: nn.Module, state_dict: Optional[Dict[str, Any]], strict: bool = True,
+                    assign: bool = False) -> LoadResult:
+    """The wrapper's ``load_state_dict``: a full dict, resharded (collective outside ``summon_full_params``)."""
+    if assign:
+        raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
+    if _summoned(wrapper):
+        return wrapper.module.load_state_dict(state_dict, strict=strict)
+    rank = wrapper.shard_group.world_rank
+    given = state_dict if (state_dict or rank == 0) else None  # rank 0's state_dict() result elsewhere is {}
+    load_full_state_dict(wrapper, given, strict=strict)
+    if given is None:
+        return LoadResult([], [])
+    keys = _local_keys(wrapper.module)
+    return LoadResult([k for k in keys if k not in given], [k for k in given if k not in keys])
