@@ -1,4 +1,5 @@
 """accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate."""
+from .compilation import compile_model
 from .fully_sharded import FullyShardedDataParallel
 from .grad_norm import clip_grad_norm_
 from .mixed_precision import MixedPrecision
@@ -14,6 +15,7 @@ __all__ = [
     "MixedPrecision",
     "CPUOffload",
     "clip_grad_norm_",
+    "compile_model",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
 ]

@@ -50,3 +50,11 @@ def fake_mode_with_scalars() -> Any:
 
     return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
 
+
+def dynamo_counters() -> Any:
+    """dynamo's event counters (``torch._dynamo.utils.counters``): ``counters["graph_break"]`` and
+    ``counters["unimplemented"]`` map reasons to counts; ``counters["stats"]["unique_graphs"]`` counts compiled
+    graphs (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters

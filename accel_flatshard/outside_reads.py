@@ -54,7 +54,9 @@ def _reading_class(cls: type) -> type:
 
     def __getattr__(self: nn.Module, name: str) -> Any:
         unit = self.__dict__.get(_READS_ATTR, _NO_READS).get(name)
-        if unit is not None and unit.read_outside_forward():
+        # (in_forward / in_backward first: plain attributes dynamo traces, so a compiled forward on gathered
+        # parameters, e.g. gather-once generation, breaks no graph here; read_outside_forward is dynamo-disabled)
+        if unit is not None and (unit.root.in_forward or unit.root.in_backward) and unit.read_outside_forward():
             view = self.__dict__.get(name)
             if view is not None:
                 return view

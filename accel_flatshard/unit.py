@@ -130,6 +130,7 @@ class Unit:
         return all(f.is_unsharded for f in self.flat_params)
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any):
         if self.state == UnitState.SUMMONED:
             return args, kwargs  # inside summon_full_params the parameters are full: the plain module runs
@@ -166,6 +167,7 @@ class Unit:
             self._views_installed = False
             self._installed_by_recompute = False
 
+    @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.state == UnitState.SUMMONED:
             return output
@@ -257,6 +259,7 @@ class Unit:
             self.root.prefetch_before(self)
 
     # ------------------------------------------------------------------ reads from outside the unit's forward
+    @torch.compiler.disable
     def read_outside_forward(self) -> bool:
         """A parameter of this unit is read by code outside the unit's forward (outside_reads.py), e.g. the
         parent's forward reading ``lm_head.weight``.  While the model runs forward (or recomputes it in

@@ -65,7 +65,7 @@ SIZES = {  # name -> (family, config kwargs); parameter counts printed in the ta
     "llama-40M": ("llama", dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, vocab_size=16384)),
     "llama-150M": ("llama", dict(num_hidden_layers=14, hidden_size=768, intermediate_size=2048, num_attention_heads=12, vocab_size=32000)),
 }
-BASE_ENGINES = ["ddp", "fsdp1", "fsdp2", "nocomm"]
+BASE_ENGINES = ["ddp", "fsdp1", "fsdp2", "nocomm", "ddp+compile", "fsdp2+compile"]
 
 
 def build_model(row: str, seq: int) -> torch.nn.Module:
@@ -75,10 +75,12 @@ def build_model(row: str, seq: int) -> torch.nn.Module:
     family, kw = SIZES[row]
     torch.manual_seed(0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw)
+        cfg = transformers.GPT2Config(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **kw)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(max_position_embeddings=seq, num_key_value_heads=kw["num_attention_heads"], **kw)
+        # use_cache=False: training needs no KV cache, and with it each compiled block recompiles per layer
+        cfg = transformers.LlamaConfig(max_position_embeddings=seq, num_key_value_heads=kw["num_attention_heads"],
+                                       use_cache=False, **kw)
         model = transformers.LlamaForCausalLM(cfg)
     return model
 
@@ -127,14 +129,24 @@ class Runner:
         return sum(seen.values())
 
 
+def compile_blocks(model: torch.nn.Module, blocks: tuple) -> None:
+    """Regional compilation (torchtitan's recipe, accelerate's use_regional_compilation): each repeated block
+    compiled in place with ``module.compile()``, the rest eager.  The first step compiles (in warmup)."""
+    for m in model.modules():
+        if isinstance(m, blocks):
+            m.compile()
+
+
 def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, world: int) -> Runner:
     model = copy.deepcopy(base).to(device)
     blocks = tuple(block_classes(model))
     if engine == "nocomm":
         return Runner(engine, model)
-    if engine == "ddp":
+    if engine in ("ddp", "ddp+compile"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if engine == "ddp+compile":
+            compile_blocks(model, blocks)
         return Runner(engine, DDP(model, device_ids=[device.index] if device.type == "cuda" else None))
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
@@ -142,7 +154,7 @@ def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, 
 
         policy = functools.partial(torch_policy, transformer_layer_cls=set(blocks))
         return Runner(engine, FSDP1(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True))
-    if engine == "fsdp2":
+    if engine in ("fsdp2", "fsdp2+compile"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -151,6 +163,8 @@ def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, 
             if isinstance(m, blocks):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if engine == "fsdp2+compile":
+            compile_blocks(model, blocks)  # after fully_shard, as accelerate's FSDP2 path and torchtitan do
         return Runner(engine, model)
     if engine.startswith("ours"):
         from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
@@ -318,21 +332,26 @@ def format_table(results: List[dict], args, world: int, device: torch.device, fa
             return f"{ratio(i, 'nocomm')} ({d * 1e3:+.0f} ms)"
 
         for i, e in enumerate(engines):
+            # a compiled engine is compared with DDP / FSDP2 compiled the same way (when those rows run)
+            ddp_ref, fsdp2_ref = [f"{ref}+compile" if "compile" in e and f"{ref}+compile" in idx else ref
+                                  for ref in ("ddp", "fsdp2")]
             med = statistics.median(t[i])
-            if e in ("ddp", "nocomm") or fake or "ddp" not in idx:
-                dloss = "-" if e != "ddp" else "0 (ref)"
+            if e in ("ddp", "ddp+compile", "nocomm") or fake or ddp_ref not in idx:
+                dloss = "0 (ref)" if e.startswith("ddp") else "-"
             else:
-                dloss = f"{max(abs(a - b) for a, b in zip(res['losses'][i], res['losses'][idx['ddp']])):.1e}"
+                dloss = f"{max(abs(a - b) for a, b in zip(res['losses'][i], res['losses'][idx[ddp_ref]])):.1e}"
             st, peak = res["mem"][i]
             lines.append(
-                f"| {res['row']} | {res['params']/1e6:.1f}M | {e} | {med*1e3:.0f} | {tokens/med:,.0f} | {ratio(i, 'ddp')} "
-                f"| {ratio(i, 'fsdp2')} | {exposed(i)} | {statistics.median(cpu[i]):.2f} ({ratio(i, 'ddp', cpu)}) | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
+                f"| {res['row']} | {res['params']/1e6:.1f}M | {e} | {med*1e3:.0f} | {tokens/med:,.0f} | {ratio(i, ddp_ref)} "
+                f"| {ratio(i, fsdp2_ref)} | {exposed(i)} | {statistics.median(cpu[i]):.2f} ({ratio(i, ddp_ref, cpu)}) | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
             )
     head = (
         f"W={world}{' (fake pg: no real communication)' if fake else ''}, device={device.type}, "
         f"backend={'fake' if fake else ('nccl' if device.type == 'cuda' else 'gloo')}, torch threads/rank={args.threads}, "
         f"per-rank batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warmup, "
-        f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus; step peak = "
+        f"torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cpus; '+compile' rows: each block compiled "
+        "(regional, inductor; the first step compiles, in warmup) and their 'vs DDP' / 'vs FSDP2' / Δloss are against "
+        "ddp+compile / fsdp2+compile; step peak = "
         + ("max_memory_allocated - allocated before the step" if device.type == "cuda" else "VmHWM - VmRSS before the step")
     )
     return head + "\n\n" + "\n".join(lines)
@@ -379,7 +398,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="llama-40M,gpt2-5M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
-    p.add_argument("--ours", default="ours,ours+noprefetch", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+    p.add_argument("--ours", default="ours,ours+noprefetch,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
                    f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
     p.add_argument("--steps", type=int, default=8)

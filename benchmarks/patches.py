@@ -177,6 +177,30 @@ def no_outside_reads(wrapped) -> None:
             module.__class__ = module.__class__.__mro__[1]
 
 
+def compile_regional(wrapped) -> None:
+    """What prepare does for accelerate's use_regional_compilation (accel_flatshard.compilation): each
+    block's forward compiled inside its unit's hooks (gather, views, free run eagerly around it)."""
+    from accel_flatshard.compilation import compile_model
+
+    compile_model(wrapped, regional=True)
+
+
+def compile_blocks_call(wrapped) -> None:
+    """The other placement: each block compiled whole, ``module.compile()`` in place, as accelerate does for
+    FSDP2 and DeepSpeed (the same as compiling the blocks before wrapping): dynamo's frame is entered
+    around the hooks, which ``unit.py`` disables for dynamo."""
+    for unit in wrapped.units:
+        if not unit.is_root:
+            unit.module.compile()
+
+
+def compile_whole(wrapped) -> None:
+    """Whole-model compile in place (graph breaks at every unit's hooks)."""
+    from accel_flatshard.compilation import compile_model
+
+    compile_model(wrapped, regional=False)
+
+
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -195,6 +219,9 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "headinroot": ("kw", head_in_root),
     "fusedhead": ("kw", fused_head),
     "noreads": ("post", no_outside_reads),
+    "compile": ("post", compile_regional),
+    "compilecall": ("post", compile_blocks_call),
+    "compilewhole": ("post", compile_whole),
 }
 
 

@@ -46,6 +46,7 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from .. import options, plan
+from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
 from ..wrap import checkpoint_units
@@ -190,11 +191,6 @@ class Accelerator(_BaseAccelerator):
             model._is_accelerate_prepared = True
             return model
         _check_not_wrapped_elsewhere(model)
-        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            raise ValueError(
-                "torch.compile (dynamo_backend) is not supported together with accel_flatshard; set "
-                "`dynamo_backend: 'NO'` in the accelerate config"
-            )
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
         # CUDA only (plan.available_bytes): the memory check before the first step needs the model's structure
@@ -206,6 +202,7 @@ class Accelerator(_BaseAccelerator):
             _apply_activation_checkpointing(wrapped)
         if skeleton is not None:
             plan.warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp)
+        _compile_per_dynamo_plugin(wrapped, self.state.dynamo_plugin)  # after checkpointing, as accelerate does
         wrapped._is_accelerate_prepared = True
         self._models.append(wrapped)
         return wrapped
@@ -406,6 +403,20 @@ def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
     if not checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
         warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
                       "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=3)
+
+
+def _compile_per_dynamo_plugin(wrapped: FullyShardedDataParallel, plugin: Any) -> None:
+    """accelerate's ``dynamo_backend`` / ``dynamo_config``: ``use_regional_compilation`` compiles each inner
+    unit's forward inside its hooks, otherwise the whole model is compiled with graph breaks at the units'
+    hooks (``compilation.py``); ``mode`` / ``fullgraph`` / ``dynamic`` / ``options`` go to torch.compile."""
+    if plugin.backend == DynamoBackend.NO:
+        return
+    kwargs = plugin.to_kwargs()
+    if kwargs.get("fullgraph") and not plugin.use_regional_compilation:
+        raise ValueError("dynamo_config: fullgraph=True cannot hold for a whole accel_flatshard model (its units' "
+                         "gather/free hooks break the graph); set use_regional_compilation: true (one full "
+                         "graph per block) or fullgraph: false")
+    compile_model(wrapped, regional=bool(plugin.use_regional_compilation), **kwargs)
 
 
 def register() -> None:

@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
     p.add_argument("--model_dir", default=None, help="load with from_pretrained from this local directory")
+    p.add_argument("--no_cache", action="store_true", help="config.use_cache = False (torch.compile: no per-layer recompiles)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--max_grad_norm", type=float, default=0.5)
@@ -71,6 +72,7 @@ def build_model(args):
         config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                           num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
                                           max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config.use_cache = not args.no_cache
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -218,6 +220,7 @@ def main(argv=None, accelerator_cls=None):
     result["logits"] = logits[0, :4, :8].tolist()
     result["logits_full_sum"] = float(logits.double().sum())
     result["hook_calls"] = hook_calls
+    result["dynamo_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # > 0: something was compiled
 
     if args.save_pretrained_dir:
         accelerator.wait_for_everyone()

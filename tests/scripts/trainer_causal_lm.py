@@ -41,16 +41,17 @@ def parse_args():
     p.add_argument("--load_best_model_at_end", action="store_true")
     p.add_argument("--final_dir", default=None, help="trainer.save_model(final_dir) after training")
     p.add_argument("--stop_after", type=int, default=None, help="stop training after this many steps")
+    p.add_argument("--torch_compile", action="store_true", help="TrainingArguments(torch_compile=True), use_cache=False")
     return p.parse_args()
 
 
-def build_model():
+def build_model(use_cache=True):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
                                       max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                                      tie_word_embeddings=False)
+                                      tie_word_embeddings=False, use_cache=use_cache)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -77,7 +78,7 @@ class StopAfter(transformers.TrainerCallback):
 
 def main():
     args = parse_args()
-    model = build_model()
+    model = build_model(use_cache=not args.torch_compile)
     total_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     evaluate = args.load_best_model_at_end
     training_args = TrainingArguments(
@@ -105,6 +106,7 @@ def main():
         data_seed=0,
         dataloader_drop_last=True,
         disable_tqdm=True,
+        torch_compile=args.torch_compile,
     )
     global_batch = args.per_device_batch_size * args.gradient_accumulation_steps * training_args.world_size
     train_ds = token_dataset(args.steps * global_batch, seed=1)
@@ -128,6 +130,7 @@ def main():
         "local_trainable_numel": trainer.accelerator.gather_for_metrics([local_numel], use_gather_object=True),
         "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
         "global_step": trainer.state.global_step,
+        "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # > 0: something was compiled
         "best_model_checkpoint": trainer.state.best_model_checkpoint,
         "checkpoints": sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
         if os.path.isdir(args.output_dir) else [],

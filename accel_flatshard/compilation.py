@@ -1,0 +1,84 @@
+"""torch.compile of a sharded model: which regions are compiled, and that none silently runs eagerly.
+
+* ``regional=True`` (accelerate's ``use_regional_compilation``, torchtitan's recipe): each inner unit's
+  ``forward`` (a transformer block) is compiled *inside* the unit's hooks: gather, view install and free run
+  eagerly around it, and the compiled code reads the parameters as plain views of the gathered flat buffer.
+  Blocks of one class share one graph.  Measured faster than compiling each block's whole ``__call__``
+  (``module.compile()``, the same as compiling the blocks before wrapping): README "torch.compile".
+* ``regional=False``: ``model.compile()`` in place (the wrapper keeps its class); dynamo breaks the graph
+  at the units' hooks (``unit.py`` disables them for dynamo), i.e. only at unit boundaries.
+
+No silent eager fall-back: a unit's forward goes through a probe whose body runs only when dynamo did not
+run compiled code for that call (a skipped frame, the recompile limit); it warns once per class with the
+cause and the fix.
+"""
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Dict
+
+import torch
+import torch.nn as nn
+
+from ._compat import dynamo_counters
+
+if TYPE_CHECKING:
+    from .fully_sharded import FullyShardedDataParallel
+
+_WARNED: set = set()
+_PROBES: Dict[type, Callable] = {}
+
+
+def compile_model(model: "FullyShardedDataParallel", regional: bool = True, **compile_kwargs: Any) -> None:
+    """Compile ``model`` (a wrapped model) in place; ``compile_kwargs`` go to ``torch.compile``
+    (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``)."""
+    if not regional:
+        model.compile(**compile_kwargs)
+    for unit in model.units:
+        module = unit.module
+        if unit.is_root or getattr(module.__dict__.get("forward"), "_flatshard_probe", False):
+            continue  # the root's forward runs the other units: only whole-model compile covers it
+        if "forward" in module.__dict__:
+            raise ValueError(f"cannot compile unit {unit.name}: its module has its own instance `forward` "
+                             f"({module.__dict__['forward']!r}); compile the model before that is set")
+        probe = _probe_for(type(module))
+        # the probe is what is compiled (regional) or inlined (whole model): `type(m).forward` keeps every
+        # instance of a class on one set of guards, so blocks do not recompile per layer
+        module.forward = functools.partial(torch.compile(probe, **compile_kwargs) if regional else probe, module)
+        module.forward._flatshard_probe = True
+
+
+def _probe_for(cls: type) -> Callable:
+    """One copy of ``_forward_probe`` per class with its own code object: dynamo keeps compiled entries and
+    the recompile limit per code object, as it does for each class's own ``forward``."""
+    probe = _PROBES.get(cls)
+    if probe is None:
+        code = _forward_probe.__code__.replace(co_name=f"{cls.__name__}_forward")
+        probe = _PROBES[cls] = types.FunctionType(code, _forward_probe.__globals__, code.co_name)
+    return probe
+
+
+def _forward_probe(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not torch.compiler.is_compiling():  # False at trace time: compiled code never runs this branch
+        _warn_eager(module)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _warn_eager(module: nn.Module) -> None:
+    cls = type(module).__name__
+    if cls in _WARNED:
+        return
+    _WARNED.add(cls)
+    reasons = [k.split("\n")[0] for k in dynamo_counters()["unimplemented"]]
+    if any("recompile limit" in r for r in reasons):
+        what = (f"dynamo hit its recompile limit (torch._dynamo.config.recompile_limit) on {cls}.forward: it "
+                "compiled one graph per layer, usually for "
+                "a layer index read as a constant (HF models with use_cache=True: the KV cache). Fix: use_cache=False "
+                "for training (model.config.use_cache = False), or torch._dynamo.config.allow_unspec_int_on_nn_module "
+                "= True (the index becomes an input); TORCH_LOGS=recompiles shows the guard that failed")
+    else:
+        what = (f"dynamo did not compile {cls}.forward ({'; '.join(reasons) or 'compilation disabled'}). "
+                "TORCH_LOGS=graph_breaks shows where; fullgraph=True makes it an error")
+    warnings.warn(f"accel_flatshard: torch.compile was requested but {cls} runs eagerly: {what}", stacklevel=3)
