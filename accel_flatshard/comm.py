@@ -25,9 +25,6 @@ class _Done:
     def wait(self) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 DONE = _Done()
 

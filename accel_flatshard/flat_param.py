@@ -211,11 +211,6 @@ class FlatParameter:
     def free_unsharded(self) -> None:
         self.unsharded.untyped_storage().resize_(0)
 
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full flat tensor."""
-        lo = self.rank * self.layout.shard_numel
-        return full[lo : lo + self.layout.shard_numel]
-
     # ------------------------------------------------------------------ views
     def unsharded_views(self) -> List[torch.Tensor]:
         """Views of ``unsharded`` shaped like the original parameters (autograd-tracked when enabled)."""

@@ -92,7 +92,7 @@ def _train_wrapped(gpu_check, family: str, device, data, kwargs, hybrid: bool, i
         losses = gpu_check.train(wrapped, data)
     with wrapped.summon_full_params():
         params = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
-    return losses, params, calls, wrapped._root.engine
+    return losses, params, calls, wrapped._schedule.engine
 
 
 def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from accel_flatshard._compat import map_tensors
 from accel_flatshard.engine import Engine
-from accel_flatshard.streams import CudaStreams
+from accel_flatshard.engine import CudaStreams
 
 # c10d ops: indices of the arguments a collective writes (the others are read); unknown ones: all written
 _C10D_WRITES = {
@@ -334,7 +334,7 @@ class SimulatedCuda(TorchDispatchMode):
         for ref in self._models:
             model = ref()
             for unit in model.units if model is not None else ():
-                offload = model._root.engine.offload
+                offload = model._schedule.engine.offload
                 staging = offload._staging if offload is not None else {}
                 for i, flat in enumerate(unit.flat_params):
                     named = [("local_shard", flat.local_shard), ("sharded_grad", flat.sharded_grad),
@@ -558,8 +558,8 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     sharding in one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
     on a GPU).  Run the model inside ``with sim:`` so that its ops are observed."""
     sim = sim or SimulatedCuda(device_index, current_device)
-    root = model._root
-    old = root.engine
+    schedule = model._schedule
+    old = schedule.engine
     if old.has_pending():
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
@@ -578,7 +578,9 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     if differing or set(vars(old)) != set(vars(new)):
         raise RuntimeError(f"sim_cuda: Engine settings {differing or sorted(set(vars(old)) ^ set(vars(new)))} "
                            "do not carry over to the simulated engine; update simulate_cuda()")
-    root.engine = new
+    schedule.engine = new
+    for unit in schedule.units:
+        unit.engine = new
     sim.watch(model)
     return sim
 

@@ -45,12 +45,12 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options, plan
+from .. import options, patches, plan
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.registry import find_wrapper
 from ..wrap import checkpoint_units
-from . import checkpointing, patches
+from . import checkpointing
 from .multi_model import clip_grad_norm_over_models
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
@@ -145,8 +145,7 @@ class Accelerator(_BaseAccelerator):
             plugin.set_mixed_precision(state.mixed_precision)
         state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
-        # PartialState keeps its own copy of the shared dict; accelerate's gather/save helpers read it.
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        patches.install("fsdp_state")  # PartialState's own copy of the shared dict, which accelerate's helpers read
         return True
 
     def _setup_grad_scaler(self) -> None:
@@ -300,12 +299,6 @@ class Accelerator(_BaseAccelerator):
 
     def _find_wrapper(self, model: nn.Module) -> Optional[FullyShardedDataParallel]:
         return find_wrapper(model)
-
-    def _flatshard_model(self) -> FullyShardedDataParallel:
-        for m in self._models:
-            if isinstance(m, FullyShardedDataParallel):
-                return m
-        raise RuntimeError("no model was prepared with accel_flatshard")
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
