@@ -78,7 +78,8 @@ class _WorkWait:
 
 
 class HostAdapter:
-    """CPU / gloo: no streams; collectives are asynchronous work handles that block on ``wait()``."""
+    """CPU / gloo: no streams; collectives are asynchronous work handles that block on ``wait()``.  Also the
+    base of :class:`CudaStreams`: moves between host and device, non-blocking (from pinned memory) on CUDA."""
 
     stream_ordered = False
 
@@ -109,22 +110,27 @@ class HostAdapter:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         pass
 
-    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> _WorkWait:
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
         """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
         return _WorkWait(issue(True), keep)
 
     def move_inputs(self, args: Any, kwargs: Any) -> Any:
-        return _move_tensors((args, kwargs), self.device, lambda t: t.to(self.device))
+        """Inputs on another device are moved to the model's (as torch FSDP does at the root)."""
+        move = lambda t: t if t.device == self.device else t.to(self.device, non_blocking=self.stream_ordered)
+        return map_tensors(move, (args, kwargs))
 
-    # CPU offload (offload.py): the host is the device, so nothing is pinned and copies are host copies
+    # CPU offload (offload.py): on CUDA host buffers are pinned, so that both copies run asynchronously to the host
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.stream_ordered)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device)
+        """Host -> device on the current stream; the result belongs to that stream."""
+        return host.to(self.device, non_blocking=self.stream_ordered)
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(src)
+        """Device -> host on the current stream; on CUDA the host may read ``out`` only after synchronising
+        on an event recorded behind it."""
+        out.copy_(src, non_blocking=self.stream_ordered)
 
     # buffer lifetime names (used by the tests' simulator only)
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
@@ -134,7 +140,7 @@ class HostAdapter:
         pass
 
 
-class CudaStreams:
+class CudaStreams(HostAdapter):
     """CUDA / NCCL: side streams of the model's device, events, ``record_stream``.
 
     ``api`` is ``torch.cuda`` (the tests' simulator passes one with the same functions: ``Stream``,
@@ -144,7 +150,7 @@ class CudaStreams:
     stream_ordered = True
 
     def __init__(self, device: torch.device, api: Any = None) -> None:
-        self.device = device
+        super().__init__(device)
         self.api = api if api is not None else torch.cuda
         self._side = {}
 
@@ -177,39 +183,12 @@ class CudaStreams:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
-    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> _EventWait:
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
         """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on
         ``stream`` and may be dropped at once (same-stream reuse is ordered)."""
         with self.on(stream):
             issue(False)
             return _EventWait(self, self.record(stream))
-
-    def move_inputs(self, args: Any, kwargs: Any) -> Any:
-        return _move_tensors((args, kwargs), self.device, lambda t: t.to(self.device, non_blocking=True))
-
-    # CPU offload (offload.py): host buffers are pinned so that both copies run asynchronously to the host
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Host -> device on the current stream; the result belongs to that stream."""
-        return host.to(self.device, non_blocking=True)
-
-    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """Device -> pinned host on the current stream; the host may read ``out`` only after synchronising
-        on an event recorded behind it."""
-        out.copy_(src, non_blocking=True)
-
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        pass
-
-    def note_free(self, key: Any) -> None:
-        pass
-
-
-def _move_tensors(tree: Any, device: torch.device, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Inputs on another device are moved to the model's (as torch FSDP does at the root)."""
-    return map_tensors(lambda t: t if t.device == device else move(t), tree)
 
 
 def streams_for(device: torch.device) -> Any:
@@ -451,9 +430,6 @@ class Engine:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
                 if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
                     self.streams.record_stream(r.shard_out, self.streams.compute_stream())
-
-    def has_pending(self) -> bool:
-        return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
         """Finish the gathers in flight before code outside the training step reads or writes the shards

@@ -219,19 +219,24 @@ class FullyShardedDataParallel(nn.Module):
             self._schedule.sync_grads = previous
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True, recurse: bool = True, **torch_kwargs: bool) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True, recurse: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
         """Gather every parameter in full: inside, the model's parameters have their real shapes, so
         ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works; forwards
         and ``generate()`` inside run the plain model, gathering nothing.
 
         With ``writeback`` (default) changes made inside are kept; ``model.to(dtype)`` inside is undone on
         exit.  ``recurse`` is accepted for torch FSDP's signature: the whole model is gathered either way
-        (units are not nested instances).  See ``generation.py``.  Example::
+        (units are not nested instances); torch's other arguments only at their defaults.  See
+        ``generation.py``.  Example::
 
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
         """
-        generation.check_summon_kwargs(**torch_kwargs)
+        if rank0_only or offload_to_cpu or with_grads:
+            raise ValueError(f"accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
+                             f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank "
+                             "gets the full parameters on the model's device")
         self.ensure_idle("summon_full_params")
         with generation.summoned(self, writeback):
             yield

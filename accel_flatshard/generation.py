@@ -27,22 +27,20 @@ schedule) costs W-1 shards of the whole model per token.  This module owns the a
 * Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model's no-grad forwards
   (the DPO/KTO/GRPO reference's log-probs) keep its units gathered (within the budget) for its next
   no-grad forwards, until the next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after
-  it; a hook of ``patches.py``), a forward of that model with grad, or ``ensure_idle``.  Writing to the shards by other means in
-  between needs ``model.ensure_idle(...)`` first.
+  it; a hook of ``patches.py``), a forward of that model with grad, or ``ensure_idle``.
 
-Every kept unit is released by ``ensure_idle`` (checkpoint loads, summon) so no stale buffer survives a
-write to the shards.
+``ensure_idle`` (checkpoint loads, summon) releases every kept unit: no stale buffer survives a write to the
+shards (writing them by other means needs ``model.ensure_idle(...)`` first).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -50,9 +48,6 @@ import torch.nn as nn
 from . import options, patches
 from .state_dict.registry import find_wrapper
 from .unit import ShardedState, Unit, UnitState
-
-if TYPE_CHECKING:
-    from .flat_param import FlatParameter
 
 MODES = options.GENERATION_MODES
 
@@ -70,33 +65,9 @@ def generation_options_from_env() -> GenerationOptions:
                              options.get("FLATSHARD_KEEP_FROZEN_GATHERED"))
 
 
-class _Wrapper(Protocol):
-    """What this module needs of ``FullyShardedDataParallel`` (no import back into fully_sharded.py)."""
-
-    module: nn.Module
-    shard_group: Any
-    _schedule: Any
-
-    @property
-    def units(self) -> List[Unit]: ...
-    @property
-    def flat_params(self) -> List["FlatParameter"]: ...
-    def summon_full_params(self, writeback: bool = True, recurse: bool = True) -> Any: ...
-
-
 # ---------------------------------------------------------------------- summon_full_params
-def check_summon_kwargs(rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False) -> None:
-    """torch FSDP's other ``summon_full_params`` arguments are accepted at their defaults only."""
-    if rank0_only or offload_to_cpu or with_grads:
-        raise ValueError(
-            "accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
-            f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank gets the "
-            "full parameters on the model's device"
-        )
-
-
 @contextlib.contextmanager
-def summoned(wrapper: _Wrapper, writeback: bool, master: bool = True) -> Iterator[None]:
+def summoned(wrapper: nn.Module, writeback: bool, master: bool = True) -> Iterator[None]:
     """Parameters as full tensors until exit (see the module docstring): gathered now into new buffers of the
     master dtype (``master``; with ``writeback`` changes inside are kept), else the units' kept buffers."""
     units = wrapper.units
@@ -190,7 +161,7 @@ def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, mast
 class GenerationControl:
     """Per wrapped model: options, the warnings said once, the units kept gathered now."""
 
-    def __init__(self, wrapper: _Wrapper, options: GenerationOptions) -> None:
+    def __init__(self, wrapper: nn.Module, options: GenerationOptions) -> None:
         self._wrapper = weakref.ref(wrapper)
         self.options = options
         self.active = False
@@ -199,7 +170,7 @@ class GenerationControl:
         self.last_plan: Tuple[int, int, int] = (0, 0, 0)  # kept units, kept bytes, budget (for tests/bench)
 
     @property
-    def wrapper(self) -> _Wrapper:
+    def wrapper(self) -> nn.Module:
         wrapper = self._wrapper()
         assert wrapper is not None
         return wrapper
@@ -367,20 +338,16 @@ def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 # ---------------------------------------------------------------------- TRL's seam (patch table entry)
 def trl_summon_full_params(original: Callable) -> Callable:
-    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (applied by
-    ``patches.py``).
-
-    Why: TRL's GRPO, RLOO and distillation trainers wrap generation in
-    ``self._dist.summon_full_params(self.model_wrapped, recurse=False)``, which calls torch's
-    ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1); on our wrapper that
-    finds no torch FSDP instance and does nothing, so every token gathered the whole model.  The
-    replacement routes accel_flatshard models to :func:`trl_generation_context`; others to TRL's."""
+    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (``patches.py``): TRL's GRPO, RLOO
+    and distillation trainers wrap generation in ``self._dist.summon_full_params(self.model_wrapped,
+    recurse=False)``, torch's ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1), which
+    finds no torch FSDP module in our wrapper and does nothing.  accel_flatshard models go to
+    :func:`trl_generation_context`, others to TRL's."""
 
     @functools.wraps(original)
     @contextlib.contextmanager
     def summon_full_params(self: Any, module: nn.Module, **kwargs: Any) -> Iterator[None]:
-        control = module.__dict__.get(_CONTROL_ATTR) if isinstance(module, nn.Module) else None
-        if control is None:
+        if find_wrapper(module) is None:
             with original(self, module, **kwargs):
                 yield
             return
@@ -392,18 +359,15 @@ def trl_summon_full_params(original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
-    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.
-
-    When the whole model in master dtype fits the generation budget (or mode ``full``): a real summon
-    without writeback (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), so
-    ``generate`` inside gathers nothing.  Otherwise the generation session of the budget/per-unit mode
-    (``recurse`` is torch's nesting flag; our units are not nested instances, and generation needs them
-    all)."""
-    control: GenerationControl = wrapper.__dict__[_CONTROL_ATTR]
+    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.  When the
+    whole model in master dtype fits the generation budget (or mode ``full``) a summon without writeback
+    (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), else the generation session of the
+    budget/per-unit mode (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
+    control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
     if control.options.mode == "full" or (kept and len(kept) == len(control.wrapper.units)):
-        wrapper._schedule.ensure_idle("summon_full_params")
-        with summoned(wrapper, writeback=False):
+        control.wrapper._schedule.ensure_idle("summon_full_params")
+        with summoned(control.wrapper, writeback=False):
             yield
         return
     with control.session():

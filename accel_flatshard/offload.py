@@ -58,10 +58,6 @@ class HostOffload:
         if "offload" not in patches.INSTALLED:
             patches.install("offload")
 
-    @property
-    def pinned_allocations(self) -> int:
-        return len(self.host_buffers)
-
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.host_buffers.append(self.streams.host_empty(numel, dtype))
         return self.host_buffers[-1]

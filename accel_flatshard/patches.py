@@ -1,21 +1,15 @@
 """The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it.
 
-Each :class:`Patch` names its target where it is defined (``owner`` module + ``attribute``), why, by what
-(a dotted path, resolved when installing, so this module imports none of the replacements, nor accelerate),
-the library versions it was checked on, and when it is applied (``scope``, :data:`SCOPES`: the plain wrapper
-applies what it needs at its first wrap, not at import).  Three kinds: a replaced symbol (with the other
-modules known to bind it by name: ``from accelerate.utils import save_fsdp_model`` in ``transformers.trainer``
-makes a second binding that patching the owner does not reach); a process-wide hook (``hook``: torch's
-optimizer step hooks) registered with ``attribute``; an entry of a library's dict (``key``).
-:func:`install` applies the entries of a scope and logs one INFO line per change plus a summary; a target that
-is not found *by name* (a release moved or renamed it) or that holds something else than the original (a
-release re-wrapped it) is reported with the module, attribute and installed library version: a warning, or a
-RuntimeError for the patches without which training or checkpoints would be wrong.  Never a silent no-op.
-:func:`uninstall` undoes every change (tests).
-
-Besides the named bindings, every already-imported module of the packages in ``scan_packages`` (and
-``__main__``, a script that imported the name itself) that holds the original object is patched too:
-the names are looked up by name first, the identity scan only adds bindings nobody listed.
+Each :class:`Patch` names its target where it is defined (``owner`` module + ``attribute``), why, by what (a
+dotted path resolved when installing: this module imports none of the replacements, nor accelerate), the library
+versions it was checked on, and when it is applied (``scope``: nothing at import).  Three kinds: a replaced
+symbol, also in the modules known to bind it by name (``from accelerate.utils import save_fsdp_model`` in
+``transformers.trainer`` is a second binding) and in any imported module of ``scan_packages`` (or ``__main__``)
+that holds the original; a process-wide hook (``hook``) registered with ``attribute``; an entry of a library's
+dict (``key``).  :func:`install` logs one INFO line per change plus a summary; a target not found *by name* (a
+release moved it) or holding something else than the original (a release re-wrapped it) is reported with the
+module, attribute and installed library version: a warning, or a RuntimeError for the patches without which
+training or checkpoints would be wrong.  Never a silent no-op.  :func:`uninstall` undoes every change (tests).
 """
 from __future__ import annotations
 
@@ -36,7 +30,7 @@ _MARK = "_accel_flatshard_patch"  # set on every replacement object: the Patch n
 
 @dataclass(frozen=True)
 class Patch:
-    """One replaced library symbol (see the module docstring)."""
+    """One change outside the package (see the module docstring)."""
 
     name: str
     owner: str  # module that defines the symbol

@@ -238,24 +238,22 @@ class Schedule:
     def _pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
         if self.in_backward:
             self._abandon_backward()
+        end_span(self._forward_span)  # still open if the previous forward raised
+        self._forward_span = begin_span("forward")
         for unit in self.units:
             if unit.state is UnitState.FORWARD:  # the previous forward raised inside this unit
                 unit.uninstall_views()
                 unit.state = UnitState.IDLE
-        end_span(self._forward_span)  # still open if the previous forward raised
-        self._forward_span = begin_span("forward")
-        # Units still gathered from an earlier forward (the root, the last unit) are freed: their buffers may
-        # be stale if the shards were written since (summon, load_state_dict) and no backward followed.  A
-        # backward of that earlier forward gathers them again.
-        for unit in self.units:
+            # Units still gathered from an earlier forward (the root, the last unit) are freed: their buffers may
+            # be stale if the shards were written since (summon, load_state_dict) and no backward followed.  A
+            # backward of that earlier forward gathers them again.
             unit.release()
-        self.engine.begin_step()
-        self._end_outside_reads()  # left over by a forward that raised
-        self.in_forward = True
-        for unit in self.units:
             for flat in unit.flat_params:
                 flat.check_params_are_shard_views()
                 flat.release_grad_if_unused()
+        self.engine.begin_step()
+        self._end_outside_reads()  # left over by a forward that raised
+        self.in_forward = True
         self._current_order, self._current_set, self._order_ok = [], set(), True
         args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
         mp = self.mixed_precision
@@ -333,7 +331,7 @@ class Schedule:
         """A parameter of ``unit`` is read by code outside its forward (``_reading_class``).  While the model
         runs forward (or recomputes it in backward: every rank does the same read then) gather the unit, install
         its views and return True; otherwise False (the reader gets the shard).  Read in a forward, the unit
-        stays gathered until that forward ends (``_end_outside_reads``)."""
+        stays gathered until that forward ends, and with grad until its backward is over (``_end_outside_reads``)."""
         if not (self.in_forward or (self.in_backward and inside_backward_pass())):
             return False
         unit.unshard()

@@ -48,7 +48,7 @@ def issuing_one_rank_groups(hybrid: bool) -> Iterator[List[comm.ShardGroup]]:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.collectives_at_one_rank = True
-            self.all_gather_via_p2p = self.via_p2p = False  # (gloo smoke: the collectives, not point-to-point)
+            self.via_p2p = False  # (gloo smoke: the collectives, not point-to-point)
             if hybrid:
                 self.replica_group = dist.new_group([0])
             made.append(self)

@@ -560,7 +560,7 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     sim = sim or SimulatedCuda(device_index, current_device)
     schedule = model._schedule
     old = schedule.engine
-    if old.has_pending():
+    if old._gathers or old._reduces or old._reduced:
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
     new = Engine(group or old.group, old.device, old.reduce_dtype, old.max_inflight,
