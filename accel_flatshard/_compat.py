@@ -1,4 +1,4 @@
-"""The one adapter for torch internals the engine needs (checked on torch 2.4 - 2.13).
+"""The one adapter for the private torch APIs the package uses (checked on torch 2.11 - 2.13, the supported window).
 
 Everything here is a private or semi-private torch API; keeping them in one place makes a torch upgrade
 a one-file review.

@@ -25,9 +25,6 @@ class _Done:
     def wait(self) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 DONE = _Done()
 
@@ -109,7 +106,6 @@ class ShardGroup:
         # FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE=1 reduces by all-reduce + slice.
         p2p = options.get("FLATSHARD_GLOO_P2P")
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
-        self.all_gather_via_p2p = self.via_p2p
         if reduce_scatter_via_all_reduce is None:
             reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce and not self.via_p2p
@@ -140,7 +136,7 @@ class ShardGroup:
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(shard)
             return DONE
-        if self.all_gather_via_p2p:
+        if self.via_p2p:
             work = self._all_gather_p2p(output, shard)
             if not async_op:
                 work.wait()

@@ -1,9 +1,13 @@
 """The schedule's mechanics: when collectives start, on which stream, what waits for them, when buffers die.
 
-One engine serves every unit of a wrapped model; the unit state machine (``fully_sharded.py``,
-``unit.py``) decides *which* unit to gather or reduce and when.  The engine is written once, against a
-device adapter (``streams.py``): CUDA streams and events with NCCL, gloo work handles on CPU, or the
-simulator the tests use.  Its bookkeeping, the same on every device:
+One engine serves every unit of a wrapped model; the units' state machine (``unit.py``) decides *which*
+unit to gather or reduce and when.  The engine is written once, against a device adapter (below):
+:class:`CudaStreams` (NCCL: collectives issued synchronously on high-priority side streams of the *model's*
+device, never the current device's, so they run asynchronously to the host; completion is an event the compute
+stream waits on), :class:`HostAdapter` (gloo, CPU: no streams; collectives return work handles whose ``wait()``
+blocks the host while gloo's threads overlap them with compute), or the tests' simulator (``tests/sim_cuda.py``
+subclasses :class:`CudaStreams` with a fake ``torch.cuda`` and checks the schedule's invariants on CPU, so it runs
+exactly this code).  Its bookkeeping, the same on every device:
 
 * All-gathers run on the all-gather stream; the compute stream waits on the gather's event (CUDA) or
   the host on its work handle (gloo) before the unit reads its parameters.  At most
@@ -29,16 +33,167 @@ simulator the tests use.  Its bookkeeping, the same on every device:
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
+from ._compat import map_tensors
 from .comm import ShardGroup
 from .flat_param import FlatParameter
 from .offload import HostOffload
 from .profiler import span
-from .streams import streams_for
+
+
+# FSDP2 gives its all-gather / reduce-scatter streams high priority so that communication kernels are
+# scheduled ahead of queued compute kernels (lower number = higher priority).
+HIGH_PRIORITY = -1
+
+
+class _EventWait:
+    """Completion of work on a side stream: ``wait()`` makes the compute stream wait (host does not block)."""
+
+    __slots__ = ("streams", "event")
+
+    def __init__(self, streams: "CudaStreams", event: Any) -> None:
+        self.streams, self.event = streams, event
+
+    def wait(self) -> None:
+        self.streams.compute_stream().wait_event(self.event)
+
+
+class _WorkWait:
+    """Completion of a gloo collective: ``wait()`` blocks the host; keeps its input alive until then."""
+
+    __slots__ = ("work", "keep")
+
+    def __init__(self, work: Any, keep: Optional[torch.Tensor]) -> None:
+        self.work, self.keep = work, keep
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.keep = None, None
+
+
+class HostAdapter:
+    """CPU / gloo: no streams; collectives are asynchronous work handles that block on ``wait()``.  Also the
+    base of :class:`CudaStreams`: moves between host and device, non-blocking (from pinned memory) on CUDA."""
+
+    stream_ordered = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def compute_stream(self) -> None:
+        return None
+
+    def side_stream(self, role: str) -> None:
+        return None
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        pass
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        pass
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+        """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
+        return _WorkWait(issue(True), keep)
+
+    def move_inputs(self, args: Any, kwargs: Any) -> Any:
+        """Inputs on another device are moved to the model's (as torch FSDP does at the root)."""
+        move = lambda t: t if t.device == self.device else t.to(self.device, non_blocking=self.stream_ordered)
+        return map_tensors(move, (args, kwargs))
+
+    # CPU offload (offload.py): on CUDA host buffers are pinned, so that both copies run asynchronously to the host
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=self.stream_ordered)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host -> device on the current stream; the result belongs to that stream."""
+        return host.to(self.device, non_blocking=self.stream_ordered)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Device -> host on the current stream; on CUDA the host may read ``out`` only after synchronising
+        on an event recorded behind it."""
+        out.copy_(src, non_blocking=self.stream_ordered)
+
+    # buffer lifetime names (used by the tests' simulator only)
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
+        pass
+
+    def note_free(self, key: Any) -> None:
+        pass
+
+
+class CudaStreams(HostAdapter):
+    """CUDA / NCCL: side streams of the model's device, events, ``record_stream``.
+
+    ``api`` is ``torch.cuda`` (the tests' simulator passes one with the same functions: ``Stream``,
+    ``Event``, ``current_stream``, ``stream``).
+    """
+
+    stream_ordered = True
+
+    def __init__(self, device: torch.device, api: Any = None) -> None:
+        super().__init__(device)
+        self.api = api if api is not None else torch.cuda
+        self._side = {}
+
+    def compute_stream(self) -> Any:
+        # the model's device, explicitly: current_stream() without a device is the *current device's* stream
+        return self.api.current_stream(self.device)
+
+    def side_stream(self, role: str) -> Any:
+        if role not in self._side:
+            self._side[role] = self.api.Stream(device=self.device, priority=HIGH_PRIORITY)
+        return self._side[role]
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.api.stream(stream)
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        waiter.wait_stream(producer)
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        waiter.wait_event(event)
+
+    def record(self, stream: Any) -> Any:
+        event = self.api.Event()
+        event.record(stream)
+        return event
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+        """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on
+        ``stream`` and may be dropped at once (same-stream reuse is ordered)."""
+        with self.on(stream):
+            issue(False)
+            return _EventWait(self, self.record(stream))
+
+
+def streams_for(device: torch.device) -> Any:
+    """The adapter for a model on ``device`` (tests pass a simulated one through ``Engine(streams=...)``)."""
+    return CudaStreams(device) if device.type == "cuda" else HostAdapter(device)
 
 
 @dataclass
@@ -89,8 +244,7 @@ class Engine:
         self.all_gather_stream = self.streams.side_stream("all_gather")
         self.reduce_scatter_stream = self.streams.side_stream("reduce_scatter")
         self.replica_stream = self.streams.side_stream("replica_all_reduce") if group.is_hybrid else None
-        self._gathers: Dict[FlatParameter, tuple] = {}
-        self._gather_order: Deque[FlatParameter] = collections.deque()
+        self._gathers: Dict[FlatParameter, tuple] = {}  # in flight, oldest first: (handle, label)
         self._free_events: Deque[Any] = collections.deque()
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
@@ -104,13 +258,11 @@ class Engine:
         self._shards_written = False
 
     def unshard(self, flat: FlatParameter, label: str = "") -> None:
-        """Start gathering ``flat`` unless it is unsharded or already being gathered."""
-        if flat in self._gathers or flat.is_unsharded:
-            return
+        """Start gathering ``flat`` (sharded: its unit's state says so)."""
         if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
             self.begin_step()
-        while len(self._gather_order) >= self.max_inflight:
-            self.wait_unshard(self._gather_order[0])
+        while len(self._gathers) >= self.max_inflight:
+            self.wait_unshard(next(iter(self._gathers)))  # the oldest
         self._wait_for_freed_buffers()
         s = self.streams
         with span("all_gather", label):
@@ -122,8 +274,7 @@ class Engine:
                 del source
             handle = s.collective(self.all_gather_stream,
                                   lambda async_op: self.group.all_gather(out, shard, async_op=async_op), keep=shard)
-        self._gathers[flat] = (handle, label)
-        self._gather_order.append(flat)
+        self._gathers[flat] = (handle, label)  # (in issue order)
 
     def _wait_for_freed_buffers(self) -> None:
         """CUDA: block the host until the compute stream is done with all but the newest freed buffers."""
@@ -132,21 +283,17 @@ class Engine:
                 self.streams.synchronize(self._free_events.popleft())
 
     def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
-        """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered."""
+        """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered (unless waited for
+        already: by the limit on gathers in flight, or a drain)."""
         entry = self._gathers.pop(flat, None)
         if entry is None:
             return
         handle, issued_label = entry
-        self._gather_order.remove(flat)
         with span("wait_all_gather", issued_label):
             _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
 
     def reshard(self, flat: FlatParameter) -> None:
-        """Free the unsharded buffer once every reader is done with it."""
-        if flat in self._gathers:
-            self.wait_unshard(flat)
-        if not flat.is_unsharded:
-            return
+        """Free the unsharded buffer (gathered and waited for) once every reader is done with it."""
         s = self.streams
         compute = s.compute_stream()
         # allocated on the all-gather stream, read on the compute stream: not reusable before those reads
@@ -283,9 +430,6 @@ class Engine:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
                 if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
                     self.streams.record_stream(r.shard_out, self.streams.compute_stream())
-
-    def has_pending(self) -> bool:
-        return bool(self._gathers) or bool(self._reduces) or bool(self._reduced)
 
     def drain(self) -> None:
         """Finish the gathers in flight before code outside the training step reads or writes the shards

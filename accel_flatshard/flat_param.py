@@ -113,13 +113,6 @@ class FlatParamLayout:
             pieces.append(ShardPiece(i, start - slot.offset if length else 0, start - lo if length else 0, length))
         return pieces
 
-    def padding_mask(self) -> torch.Tensor:
-        """Boolean mask over the flat buffer: True where no parameter lives."""
-        mask = torch.ones(self.padded_numel, dtype=torch.bool)
-        for slot in self.slots:
-            mask[slot.offset : slot.offset + slot.numel] = False
-        return mask
-
     def __repr__(self) -> str:
         return (
             f"FlatParamLayout({len(self.slots)} params, numel={self.unpadded_numel}, "
@@ -180,16 +173,13 @@ class FlatParameter:
         self.free_unsharded()
 
     # ------------------------------------------------------------------ building
-    def flatten_into(self, out: torch.Tensor) -> torch.Tensor:
-        """Copy the original parameters' current values into ``out`` (a full flat buffer)."""
-        out.zero_()
+    def full_flat_from_params(self) -> torch.Tensor:
+        """A full flat buffer holding the original parameters' current values (zero padding)."""
+        out = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
                 out[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         return out
-
-    def full_flat_from_params(self) -> torch.Tensor:
-        return self.flatten_into(torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device))
 
     def set_local_shard_from_full(self, full: torch.Tensor) -> None:
         lo = self.rank * self.layout.shard_numel
@@ -197,10 +187,6 @@ class FlatParameter:
             self.local_shard.copy_(full[lo : lo + self.layout.shard_numel])
 
     # ------------------------------------------------------------------ unsharded storage
-    @property
-    def is_unsharded(self) -> bool:
-        return self.unsharded.untyped_storage().nbytes() > 0
-
     def alloc_unsharded(self) -> torch.Tensor:
         """Grow the unsharded storage back in place; returns the alias to gather into."""
         storage = self.unsharded.untyped_storage()
@@ -210,11 +196,6 @@ class FlatParameter:
 
     def free_unsharded(self) -> None:
         self.unsharded.untyped_storage().resize_(0)
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full flat tensor."""
-        lo = self.rank * self.layout.shard_numel
-        return full[lo : lo + self.layout.shard_numel]
 
     # ------------------------------------------------------------------ views
     def unsharded_views(self) -> List[torch.Tensor]:

@@ -1,221 +1,34 @@
-"""The wrapper: builds units and flat parameters from a model and owns what spans units.
+"""The wrapper: builds units and flat parameters from a model.
 
 ``FullyShardedDataParallel(model)`` decides the units (root + auto-wrapped blocks), assigns every
-parameter to one unit (tied parameters to the lowest unit that contains all their users), builds the
-flat parameters, shards them, and keeps the step-level state that all units share (``_RootState``:
-engine, execution order, prefetch, backward bookkeeping).  Per-unit transitions live in ``unit.py``.
+parameter to one unit (tied parameters to the lowest unit that contains all their users), materialises a
+meta-device model one unit at a time (low RAM: a rank holds about ``model size / W`` plus one unit), builds
+the flat parameters and shards them.  The step (hooks, order, prefetch, backward) is ``unit.Schedule``.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
-import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+import types
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import generation, options
-from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback
+from . import generation, options, patches
 from .comm import ShardGroup
 from .engine import Engine
 from .flat_param import FlatParameter
-from .generation import check_summon_kwargs, control_of, summoned
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
-from .init import ParamInitFn, materialization_device, materialize
 from .mixed_precision import MixedPrecision
-from .offload import CPUOffload, wants_offload
-from .outside_reads import enable_outside_reads
-from .profiler import begin_span, end_span, start_from_env
+from .offload import CPUOffload
+from .profiler import start_from_env
 from .state_dict import model as model_state
-from .unit import BackwardPrefetch, Unit, UnitState
+from .unit import BackwardPrefetch, Schedule, Unit
 from .wrap import Policy, select_units
 
+ParamInitFn = Callable[[nn.Module], None]
+
 _UNIT_ATTR = "_flatshard_unit"
-
-
-class _RootState:
-    """Step-level state shared by every unit of one wrapped model."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        backward_prefetch: Optional[BackwardPrefetch],
-        forward_prefetch: bool,
-        mixed_precision: Optional[MixedPrecision],
-    ) -> None:
-        self.engine = engine
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.mixed_precision = mixed_precision
-        self.units: List[Unit] = []
-        self.sync_grads = True
-        self.in_backward = False
-        self._callback_queued = False
-        self.recorded_order: Optional[List[Unit]] = None
-        self._order_index: Dict[Unit, int] = {}
-        self._current_order: List[Unit] = []
-        self._current_set: set = set()
-        self._order_ok = True
-        self._warned_order = False
-        self.in_forward = False
-        self._outside_reads: List[Unit] = []  # units read outside their forward in this forward (outside_reads.py)
-        # open flatshard::forward / flatshard::backward profiler spans (None unless a torch.profiler runs)
-        self._forward_span: Any = None
-        self._backward_span: Any = None
-
-    # ------------------------------------------------------------------ forward
-    def pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
-        if self.in_backward:
-            if inside_backward_pass():
-                return args, kwargs  # the root itself recomputed under activation checkpointing
-            self._abandon_backward()
-
-        end_span(self._forward_span)  # still open if the previous forward raised
-        self._forward_span = begin_span("forward")
-        self._reshard_leftovers()
-        self.engine.begin_step()
-        self._end_outside_reads()  # left over by a forward that raised
-        self.in_forward = True
-        for unit in self.units:
-            for flat in unit.flat_params:
-                flat.check_params_are_shard_views()
-                flat.release_grad_if_unused()
-        self._current_order, self._current_set, self._order_ok = [], set(), True
-        args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
-        mp = self.mixed_precision
-        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-            cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
-            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
-        return args, kwargs
-
-    def _reshard_leftovers(self) -> None:
-        """Units still gathered from an earlier forward (the root, the last unit) are freed: their
-        buffers may be stale if the shards were written since (summon_full_params, load_state_dict,
-        load_state) and no backward followed.  A backward of that earlier forward gathers them again."""
-        for unit in self.units:
-            if unit.state != UnitState.BACKWARD:
-                unit.reshard()
-
-    def on_unit_forward(self, unit: Unit) -> None:
-        """Record the execution order, check it against the recorded one, prefetch the next unit."""
-        if unit in self._current_set:
-            return  # a unit called twice in one forward keeps its first position
-        index = len(self._current_order)
-        self._current_order.append(unit)
-        self._current_set.add(unit)
-        recorded = self.recorded_order
-        if recorded is None:
-            return
-        if self._order_ok and (index >= len(recorded) or recorded[index] is not unit):
-            self._order_ok = False
-            if not self._warned_order:
-                self._warned_order = True
-                warnings.warn(
-                    "accel_flatshard: units ran in a different order than in the first step; prefetch is "
-                    f"off for this step and follows the new order afterwards.\n  recorded: "
-                    f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
-                    stacklevel=4,
-                )
-        if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
-            recorded[index + 1].unshard()
-
-    def runs_last_in_forward(self, unit: Unit) -> bool:
-        """Whether ``unit`` is the last non-root unit of the recorded forward order (its backward runs first)."""
-        recorded = self.recorded_order
-        return bool(self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit)
-
-    def post_root_forward(self) -> None:
-        self.in_forward = False
-        self._end_outside_reads()
-        if self.recorded_order is None or not self._order_ok or len(self._current_order) != len(self.recorded_order):
-            self.recorded_order = list(self._current_order)
-            self._order_index = {u: i for i, u in enumerate(self.recorded_order)}
-        if not torch.is_grad_enabled():
-            for unit in self.units:  # no backward follows: free everything
-                unit.reshard()
-        end_span(self._forward_span)
-        self._forward_span = None
-
-    # ------------------------------------------------------------------ reads from outside a unit's forward
-    def accepts_outside_reads(self) -> bool:
-        """Whether a unit may gather now for a read from outside its forward: only while this model runs
-        forward or recomputes it in backward (every rank does the same read then)."""
-        return self.in_forward or (self.in_backward and inside_backward_pass())
-
-    def note_outside_read(self, unit: Unit) -> None:
-        self._outside_reads.append(unit)
-
-    def _end_outside_reads(self) -> None:
-        for unit in self._outside_reads:
-            unit.end_outside_read()
-        self._outside_reads = []
-
-    # ------------------------------------------------------------------ backward
-    def on_backward_start(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.in_backward = True
-            self._backward_span = begin_span("backward")
-            _ROOTS_IN_BACKWARD.add(self)
-            queue_end_of_backward_callback(self.finish_backward)
-            for unit in self.units:
-                unit.regather_for_backward()
-
-    def prefetch_before(self, unit: Unit) -> None:
-        """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
-        if not self._order_ok or self.recorded_order is None:
-            return
-        index = self._order_index.get(unit)
-        if index:
-            previous = self.recorded_order[index - 1]
-            if previous.state == UnitState.AWAIT_BACKWARD:
-                previous.unshard()
-
-    def finish_backward(self) -> None:
-        """End of backward (autograd callback): complete reductions, free everything, reset states."""
-        self.engine.finish_reduces()
-        self._reset_after_backward()
-
-    def _reset_after_backward(self) -> None:
-        for unit in self.units:
-            unit.finish()
-        self.in_backward = False
-        self._callback_queued = False
-        _ROOTS_IN_BACKWARD.discard(self)
-        end_span(self._backward_span)
-        self._backward_span = None
-
-    def _abandon_backward(self) -> None:
-        """A backward that raised never ran our end-of-backward callback: finish the collectives it started
-        (every rank started the same ones) and start clean; its partial gradients are dropped."""
-        warnings.warn("accel_flatshard: the previous backward did not complete; its gradients are discarded")
-        self.engine.drain_discarding_reductions()
-        self._reset_after_backward()
-
-
-# Roots whose backward has started but not finished; optimizer steps must not see their gradients yet.
-_ROOTS_IN_BACKWARD: "weakref.WeakSet[_RootState]" = weakref.WeakSet()
-
-
-def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _ROOTS_IN_BACKWARD:
-        return
-    busy = {id(root.engine.group) for root in _ROOTS_IN_BACKWARD}
-    if any(id(getattr(p, "_flatshard_group", None)) in busy for g in optimizer.param_groups for p in g["params"]):
-        if inside_backward_pass():
-            raise RuntimeError(
-                "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
-                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns."
-            )
-        raise RuntimeError(
-            "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
-            "unreduced. Run forward and backward again before stepping."
-        )
-
-
-register_optimizer_step_pre_hook(_refuse_step_during_backward)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -282,6 +95,8 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
         _check_not_wrapped(module)
         options.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
+        if "wrapper" not in patches.INSTALLED:
+            patches.install("wrapper")  # the optimizer step hook that refuses steps during backward
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _target_device(module, self.shard_group, device_id)
@@ -291,7 +106,7 @@ class FullyShardedDataParallel(nn.Module):
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
         start_from_env(self.shard_group.world_rank)  # FLATSHARD_PROFILE: one torch.profiler per process
         engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, offload=wants_offload(cpu_offload))
-        self._root = _RootState(engine, backward_prefetch, forward_prefetch, mixed_precision)
+        self._schedule = Schedule(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
@@ -303,7 +118,7 @@ class FullyShardedDataParallel(nn.Module):
             unit_users.update({id(m): m for m in module.modules() if innermost[id(m)] is unit_module})
             # without a param_init_fn, meta tensors get host memory: the flat build copies them into the
             # device buffer, so the device holds one copy of one unit, not two
-            materialize(unit_users.values(), device if param_init_fn else torch.device("cpu"), param_init_fn)
+            _materialize(unit_users.values(), device if param_init_fn else torch.device("cpu"), param_init_fn)
             for params, _, users in owned[id(unit_module)]:
                 _refresh_params(params, users)
             _move_unit_buffers(unit_users.values(), device)
@@ -311,22 +126,23 @@ class FullyShardedDataParallel(nn.Module):
                 self._build_flat(params, fqns, users, param_dtype, sync_module_states, device)
                 for params, fqns, users in owned[id(unit_module)]
             ]
-            unit = Unit(unit_module, names[id(unit_module)], flats, self._root, unit_module is module, reshard_after_forward)
+            unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module, reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
-            if unit_module is not module:
-                enable_outside_reads(unit)  # e.g. TRL's fused LM head reads lm_head.weight in the root's forward
-            self._root.units.append(unit)
+            self._schedule.add_unit(unit)
         self._sync_buffers(sync_module_states)
         model_state.install(self, lambda what: self.ensure_idle(what))  # state_dict() gathers (collective)
-        generation.install(self)  # gather-once generate(), frozen models kept gathered
+        if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
+            module.__dict__["generate"] = types.MethodType(generation.generate_in_session, module)
+        if options.get("FLATSHARD_KEEP_FROZEN_GATHERED"):
+            generation.control_of(self)  # its no-grad forwards keep units gathered from the first one
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, device) -> FlatParameter:
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
         flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype, device=device)
-        if self._root.engine.offload is not None:
-            self._root.engine.offload.place_shard(flat)
+        if self._schedule.engine.offload is not None:
+            self._schedule.engine.offload.place_shard(flat)
         full = flat.full_flat_from_params()
         if sync_module_states:
             group.broadcast_from_rank0(full)
@@ -383,11 +199,11 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def units(self) -> List[Unit]:
-        return self._root.units
+        return self._schedule.units
 
     @property
     def flat_params(self) -> List[FlatParameter]:
-        return [f for u in self._root.units for f in u.flat_params]
+        return [f for u in self._schedule.units for f in u.flat_params]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -395,53 +211,69 @@ class FullyShardedDataParallel(nn.Module):
 
         Costs one full-size gradient per unit in memory, saves one reduce-scatter per micro-step.
         """
-        previous = self._root.sync_grads
-        self._root.sync_grads = False
+        previous = self._schedule.sync_grads
+        self._schedule.sync_grads = False
         try:
             yield
         finally:
-            self._root.sync_grads = previous
+            self._schedule.sync_grads = previous
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True, recurse: bool = True, **torch_kwargs: bool) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True, recurse: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
         """Gather every parameter in full: inside, the model's parameters have their real shapes, so
         ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works; forwards
         and ``generate()`` inside run the plain model, gathering nothing.
 
         With ``writeback`` (default) changes made inside are kept; ``model.to(dtype)`` inside is undone on
         exit.  ``recurse`` is accepted for torch FSDP's signature: the whole model is gathered either way
-        (units are not nested instances).  See ``generation.py``.  Example::
+        (units are not nested instances); torch's other arguments only at their defaults.  See
+        ``generation.py``.  Example::
 
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
         """
-        check_summon_kwargs(**torch_kwargs)
+        if rank0_only or offload_to_cpu or with_grads:
+            raise ValueError(f"accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
+                             f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank "
+                             "gets the full parameters on the model's device")
         self.ensure_idle("summon_full_params")
-        with summoned(self, writeback):
+        with generation.summoned(self, writeback):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every rank; returns the total norm."""
         return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group,
-                               device=self._root.engine.device)
+                               device=self._schedule.engine.device)
 
     def sharded_bytes(self) -> int:
         """Bytes this rank holds in parameter shards and sharded gradients."""
         return sum(f.numel_bytes() for f in self.flat_params)
 
     def ensure_idle(self, what: str) -> None:
-        """Raise if called during forward/backward; otherwise finish every in-flight collective.
-
-        For code that reads or writes shards outside the training step (checkpointing, evaluation)."""
-        busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
-        if busy or self._root.in_backward:
-            raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
-        control_of(self).release()  # units kept gathered may go stale once the shards are written
-        self._root.engine.drain()
+        """Raise if called during forward/backward; otherwise free the units kept gathered and finish every
+        collective in flight.  For code that reads or writes shards outside the training step (checkpointing)."""
+        self._schedule.ensure_idle(what)
 
     def extra_repr(self) -> str:
         g = self.shard_group
         return f"units={len(self.units)}, shard_size={g.shard_size}, replicas={g.world_size // g.shard_size}"
+
+
+def wants_offload(cpu_offload: Any) -> bool:
+    """``cpu_offload`` as given to the wrapper: None, a bool, ours or torch's ``CPUOffload``, or torch
+    FSDP2's ``CPUOffloadPolicy`` / ``OffloadPolicy``."""
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        return bool(cpu_offload)
+    if type(cpu_offload).__name__ == "CPUOffloadPolicy":
+        return True
+    if hasattr(cpu_offload, "offload_params"):
+        return bool(cpu_offload.offload_params)
+    if type(cpu_offload).__name__ == "OffloadPolicy":
+        return False
+    raise TypeError(
+        f"cpu_offload must be None, a bool, CPUOffload(offload_params=...) or CPUOffloadPolicy, got {cpu_offload!r}"
+    )
 
 
 # ---------------------------------------------------------------------- ownership
@@ -523,9 +355,42 @@ def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.dev
     if device.type in ("meta", "cpu") and group.uses_nccl and torch.cuda.is_available():
         # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
         return torch.device("cuda", torch.cuda.current_device())
-    if device.type == "meta":
-        return materialization_device(group.uses_nccl)
+    if device.type == "meta":  # nccl: the current CUDA device (as above without CUDA); gloo: the host
+        return torch.device("cuda", torch.cuda.current_device()) if group.uses_nccl else torch.device("cpu")
     return device
+
+
+def _has_own_meta_tensors(module: nn.Module) -> bool:
+    return any(t is not None and t.is_meta for t in [*module._parameters.values(), *module._buffers.values()])
+
+
+def materialize_own_tensors(module: nn.Module, device: torch.device) -> None:
+    """Give a module's own meta parameters and buffers (uninitialised) storage on ``device``.  ``to_empty()``
+    would create new Parameter objects, detaching an optimizer built before wrapping; swapping keeps identity."""
+    for p in module._parameters.values():
+        if p is not None and p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+    for name, b in list(module._buffers.items()):
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _materialize(modules: Iterable[nn.Module], device: torch.device, param_init_fn: Optional[ParamInitFn]) -> None:
+    """Materialise the modules (of one unit) that still hold meta tensors of their own: ``param_init_fn(module)``
+    (on every rank; it must allocate and initialise only that module's own tensors, ``recurse=False``: modules
+    of other units may be sharded already), else storage on ``device`` and the module's ``reset_parameters``."""
+    for module in modules:
+        if not _has_own_meta_tensors(module):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(module)
+        else:
+            materialize_own_tensors(module, device)
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        if _has_own_meta_tensors(module):
+            raise RuntimeError(f"param_init_fn left meta tensors in {type(module).__name__}; it must materialise the "
+                               "module's own parameters and buffers, e.g. module.to_empty(device=..., recurse=False)")
 
 
 def _move_unit_buffers(modules, device: torch.device) -> None:

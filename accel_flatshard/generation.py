@@ -3,16 +3,17 @@
 Per decoding step a sharded model runs one forward; gathering every unit at every step (the training
 schedule) costs W-1 shards of the whole model per token.  This module owns the alternatives:
 
-* ``summoned(wrapper, writeback)``: the body of ``summon_full_params``.  Every parameter becomes a
-  full tensor of the master dtype; forwards inside run the plain module (unit hooks stand aside:
-  ``UnitState.SUMMONED``), so ``generate()`` there gathers nothing.  ``model.to(torch.bfloat16)`` inside
-  (TRL's GRPO/RLOO with ``bf16=True``) is undone on exit: parameters and buffers get their dtype at
-  entry back, and a dtype cast is never written back, so the fp32 masters keep every bit.
+* :func:`summoned`: every parameter becomes a full tensor (the original parameters point at full buffers,
+  their gradients are stashed, the units are ``SUMMONED``: their hooks stand aside), so forwards inside run the
+  plain module and ``generate()`` there gathers nothing.  Two sources of full buffers: the body of
+  ``summon_full_params`` gathers new ones in master dtype; a generation session that keeps every unit uses the
+  units' own gathered buffers (compute dtype).  ``model.to(torch.bfloat16)`` inside (TRL's GRPO/RLOO with
+  ``bf16=True``) is undone on exit: parameters and buffers get their dtype at entry back, and a dtype cast is
+  never written back, so the fp32 masters keep every bit.
 * A *generation session* around ``generate()`` of the unwrapped model (its ``generate`` is wrapped at
-  wrap time, :func:`install`): units chosen by the plan are kept gathered (``Unit.keep_gathered``) from
-  their first forward to the end of the call, in compute dtype; the others are gathered per step.  When
-  the plan keeps every unit, all are gathered at the start and the parameters point at the gathered
-  buffers for the call (the plain module runs; no hook work per decoding step).
+  wrap time, :func:`generate_in_session`): units chosen by the plan are gathered at the start and kept
+  (``ShardedState.KEPT``) to the end of the call, in compute dtype; the others are gathered per step.  When
+  the plan keeps every unit the session is :func:`summoned` on them (gather-once: no hook work per step).
   ``FLATSHARD_GENERATION_MODE``:
     - ``budget`` (default): keep units while the gathered bytes held at any moment stay within
       ``FLATSHARD_GENERATION_BUDGET_MB`` (default ``auto``: half the memory free when generate()
@@ -20,38 +21,33 @@ schedule) costs W-1 shards of the whole model per token.  This module owns the a
       gather per ``generate()`` (gather-once); otherwise the budget mode, logged once.
     - ``full``: keep every unit, whatever the memory (DeepSpeed's ``ds3_gather_for_generation``).
     - ``per_unit``: the training schedule at every step (logged once when a faster mode would fit).
-* TRL's seam (:func:`trl_summon_full_params`, an entry of ``integrations/patches.py``): ``DistributedBackend.summon_full_params(model_wrapped,
-  recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master dtype)
-  fits the budget, else the generation session.
+* TRL's seam (:func:`trl_summon_full_params`, an entry of ``patches.py``): ``DistributedBackend.summon_full_params(
+  model_wrapped, recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master
+  dtype) fits the budget, else the generation session.
 * Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model's no-grad forwards
   (the DPO/KTO/GRPO reference's log-probs) keep its units gathered (within the budget) for its next
   no-grad forwards, until the next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after
-  it), a forward of that model with grad, or ``ensure_idle``.  Writing to the shards by other means in
-  between needs ``model.ensure_idle(...)`` first.
+  it; a hook of ``patches.py``), a forward of that model with grad, or ``ensure_idle``.
 
-Every kept unit is released by ``ensure_idle`` (checkpoint loads, summon) so no stale buffer survives a
-write to the shards.
+``ensure_idle`` (checkpoint loads, summon) releases every kept unit: no stale buffer survives a write to the
+shards (writing them by other means needs ``model.ensure_idle(...)`` first).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import options
-from .unit import Unit, UnitState
-
-if TYPE_CHECKING:
-    from .flat_param import FlatParameter
+from . import options, patches
+from .state_dict.model import find_wrapper
+from .unit import ShardedState, Unit, UnitState
 
 MODES = options.GENERATION_MODES
 
@@ -69,46 +65,30 @@ def generation_options_from_env() -> GenerationOptions:
                              options.get("FLATSHARD_KEEP_FROZEN_GATHERED"))
 
 
-class _Wrapper(Protocol):
-    """What this module needs of ``FullyShardedDataParallel`` (no import back into fully_sharded.py)."""
-
-    module: nn.Module
-    shard_group: Any
-    _root: Any
-
-    @property
-    def units(self) -> List[Unit]: ...
-    @property
-    def flat_params(self) -> List["FlatParameter"]: ...
-    def summon_full_params(self, writeback: bool = True, recurse: bool = True) -> Any: ...
-
-
 # ---------------------------------------------------------------------- summon_full_params
-def check_summon_kwargs(rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False) -> None:
-    """torch FSDP's other ``summon_full_params`` arguments are accepted at their defaults only."""
-    if rank0_only or offload_to_cpu or with_grads:
-        raise ValueError(
-            "accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
-            f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank gets the "
-            "full parameters on the model's device"
-        )
-
-
 @contextlib.contextmanager
-def summoned(wrapper: _Wrapper, writeback: bool) -> Iterator[None]:
-    """Parameters as full tensors (master dtype) until exit; see the module docstring."""
+def summoned(wrapper: nn.Module, writeback: bool, master: bool = True) -> Iterator[None]:
+    """Parameters as full tensors until exit (see the module docstring): gathered now into new buffers of the
+    master dtype (``master``; with ``writeback`` changes inside are kept), else the units' kept buffers."""
+    units = wrapper.units
+    for unit in units:
+        unit.expect("summon", UnitState.IDLE, UnitState.AWAIT_BACKWARD)
+    states = [unit.state for unit in units]
     buffers = [(m, n, b) for m in wrapper.module.modules() for n, b in m._buffers.items() if b is not None]
     gathered: List[Tuple[Any, torch.Tensor, list, List[torch.Tensor]]] = []
     try:
         for flat in wrapper.flat_params:
-            full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-            wrapper.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)  # offload: host shard
+            if master:
+                full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+                wrapper.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)  # offload: host shard
+            else:
+                full = flat.unsharded.detach()
             grads = [p.grad for p in flat.params]
             for p in flat.params:
-                p.grad = None
+                p.grad = None  # (a full-shaped .data next to a 1-D .grad)
             flat.point_params_at_full(full)
             gathered.append((flat, full, grads, [p.data for p in flat.params]))
-        for unit in wrapper.units:
+        for unit in units:
             unit.state = UnitState.SUMMONED
         yield
     finally:
@@ -127,8 +107,8 @@ def summoned(wrapper: _Wrapper, writeback: bool) -> Iterator[None]:
             now = module._buffers.get(name)
             if now is not None and now is not buf and now.dtype != buf.dtype:
                 module._buffers[name] = buf  # cast inside the summon (model.to(dtype)): the original comes back
-        for unit in wrapper.units:
-            unit.state = UnitState.IDLE
+        for unit, state in zip(units, states):
+            unit.state = state
 
 
 # ---------------------------------------------------------------------- planning
@@ -181,16 +161,16 @@ def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, mast
 class GenerationControl:
     """Per wrapped model: options, the warnings said once, the units kept gathered now."""
 
-    def __init__(self, wrapper: _Wrapper, options: GenerationOptions) -> None:
+    def __init__(self, wrapper: nn.Module, options: GenerationOptions) -> None:
         self._wrapper = weakref.ref(wrapper)
         self.options = options
         self.active = False
-        self.kept: List[Unit] = []
         self._said: set = set()
+        self._frozen_hook: Any = None  # the root pre-forward hook of keep_frozen_gathered, while it is on
         self.last_plan: Tuple[int, int, int] = (0, 0, 0)  # kept units, kept bytes, budget (for tests/bench)
 
     @property
-    def wrapper(self) -> _Wrapper:
+    def wrapper(self) -> nn.Module:
         wrapper = self._wrapper()
         assert wrapper is not None
         return wrapper
@@ -201,14 +181,14 @@ class GenerationControl:
         wrapper = self.wrapper
         mine = self.options.budget_bytes
         if mine is None:
-            mine = free_memory_bytes(wrapper._root.engine.device) // 2
-        agreed = torch.tensor(mine, dtype=torch.int64, device=wrapper._root.engine.device)
+            mine = free_memory_bytes(wrapper._schedule.engine.device) // 2
+        agreed = torch.tensor(mine, dtype=torch.int64, device=wrapper._schedule.engine.device)
         return int(wrapper.shard_group.all_reduce_world(agreed, op=torch.distributed.ReduceOp.MIN).item())
 
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""
         units = self.wrapper.units
-        prefetch = bool(self.wrapper._root.forward_prefetch)
+        prefetch = bool(self.wrapper._schedule.forward_prefetch)
         total = sum(unit_bytes(u, master) for u in units)
         mode = self.options.mode
         if mode == "full":
@@ -235,32 +215,35 @@ class GenerationControl:
             self._said.add(key)
             warnings.warn(message, stacklevel=4)
 
+    @property
+    def kept(self) -> List[Unit]:
+        return [u for u in self.wrapper.units if u.sharded_state is ShardedState.KEPT]
+
     def keep(self, units: List[Unit]) -> None:
+        """Gather ``units`` now (issued together, so they overlap) and keep them gathered until :meth:`release`."""
+        self.wrapper._schedule.engine.begin_step()  # (CUDA: the gathers see the latest optimizer update)
         for unit in units:
-            unit.keep_gathered = True
-        self.kept = list(units)
+            unit.unshard()
+        for unit in units:
+            unit.keep()
 
     def release(self) -> None:
-        """Units kept gathered are freed (now if idle, else by the next forward's leftovers)."""
-        kept, self.kept = self.kept, []
-        for unit in kept:
-            unit.keep_gathered = False
-            if unit.state == UnitState.IDLE:
-                unit.reshard()
+        for unit in self.wrapper.units:
+            unit.unkeep()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[bool]:
         """Keep the planned units gathered for one generation; yields whether every unit is kept."""
         wrapper = self.wrapper
-        if self.active or any(u.state == UnitState.SUMMONED for u in wrapper.units):
+        if self.active or any(u.state is UnitState.SUMMONED for u in wrapper.units):
             yield True  # nested (generate inside TRL's seam or a summon): the outer one decides
             return
         self.release()  # (frozen-model units kept from earlier forwards: the plan below decides afresh)
-        self.keep(self.plan())
         self.active = True
         try:
+            self.keep(self.plan())
             if len(self.kept) == len(wrapper.units):
-                with _plain_module_on_gathered(wrapper):
+                with summoned(wrapper, writeback=False, master=False):
                     yield True
             else:
                 yield False
@@ -268,33 +251,14 @@ class GenerationControl:
             self.active = False
             self.release()
 
-
-@contextlib.contextmanager
-def _plain_module_on_gathered(wrapper: _Wrapper) -> Iterator[None]:
-    """Gather-once: every unit gathered now (compute dtype), the parameters pointed at the gathered
-    buffers and the unit hooks stood aside (``SUMMONED``), so decoding steps run the plain module: no
-    per-step hook work either."""
-    wrapper._root.engine.begin_step()  # (CUDA: gathers see the latest optimizer update)
-    for unit in wrapper.units:
-        unit.unshard()
-    grads = []
-    try:
-        for unit in wrapper.units:
-            unit.wait_unshard()
-            unit.state = UnitState.SUMMONED
-            for flat in unit.flat_params:
-                grads.append((flat, [p.grad for p in flat.params]))
-                for p in flat.params:
-                    p.grad = None  # (a full-shaped .data next to a 1-D .grad)
-                flat.point_params_at_full(flat.unsharded.detach())
-        yield
-    finally:
-        for flat, flat_grads in grads:
-            flat.point_params_at_shard()
-            for p, g in zip(flat.params, flat_grads):
-                p.grad = g
-        for unit in wrapper.units:
-            unit.state = UnitState.IDLE
+    def sync_frozen_hook(self) -> None:
+        """The root pre-forward hook of ``keep_frozen_gathered`` is registered while the option is on."""
+        if self.options.keep_frozen_gathered and self._frozen_hook is None:
+            patches.install("frozen")  # the optimizer step post-hook that releases the kept units
+            self._frozen_hook = self.wrapper.module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
+        elif not self.options.keep_frozen_gathered and self._frozen_hook is not None:
+            self._frozen_hook.remove()
+            self._frozen_hook = None
 
 
 def _mib(n: int) -> str:
@@ -305,10 +269,16 @@ _CONTROL_ATTR = "_flatshard_generation"
 
 
 def control_of(model: nn.Module) -> GenerationControl:
-    """The generation control of a wrapped model (or of the unwrapped module inside it)."""
+    """The generation control of a wrapped model (or of the unwrapped module inside it), made at its first use."""
     control = model.__dict__.get(_CONTROL_ATTR) or getattr(model, _CONTROL_ATTR, None)
     if control is None:
-        raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
+        wrapper = find_wrapper(model)
+        if wrapper is None:
+            raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
+        control = GenerationControl(wrapper, generation_options_from_env())
+        wrapper.__dict__[_CONTROL_ATTR] = wrapper.module.__dict__[_CONTROL_ATTR] = control
+        control.sync_frozen_hook()
+        _CONTROLS.add(control)
     return control
 
 
@@ -324,28 +294,16 @@ def set_generation_options(model: nn.Module, **changes: Any) -> GenerationOption
         raise ValueError(f"mode {fields['mode']!r}: expected one of {', '.join(MODES)}")
     control.options = GenerationOptions(**fields)
     control._said.clear()
+    control.sync_frozen_hook()
     return control.options
 
 
-# ---------------------------------------------------------------------- wiring at wrap time
-def install(wrapper: _Wrapper) -> None:
-    """Give a freshly wrapped model its generation control, gather-once ``generate`` and frozen keeping.
-
-    ``generate`` of the unwrapped module (what ``accelerator.unwrap_model(model).generate`` calls) is
-    replaced on the instance by a method that runs the class's ``generate`` inside a session: robust
-    to any decoding strategy, and nothing else about the module changes (the class is untouched)."""
-    control = GenerationControl(wrapper, generation_options_from_env())
-    wrapper.__dict__[_CONTROL_ATTR] = control
-    module = wrapper.module
-    module.__dict__[_CONTROL_ATTR] = control
-    if callable(getattr(type(module), "generate", None)):
-        module.__dict__["generate"] = types.MethodType(_generate_in_session, module)
-    module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
-    _CONTROLS.add(control)
-
-
-def _generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    control: GenerationControl = self.__dict__[_CONTROL_ATTR]
+# ---------------------------------------------------------------------- generate() of the unwrapped module
+def generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``generate`` of the unwrapped module (what ``accelerator.unwrap_model(model).generate`` calls), set on the
+    instance at wrap time: the class's ``generate`` inside a session, robust to any decoding strategy (the class
+    is untouched)."""
+    control = control_of(self)
     with control.session() as everything_kept:
         if not everything_kept and control.wrapper.shard_group.world_size > 1 and kwargs.get("synced_gpus") is None:
             # units gathered per step: every rank must run every step, also after its own sequences ended
@@ -362,43 +320,34 @@ def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
     (a reference model's log-probs) keeps the planned units gathered for the following ones; a forward
     with grad first releases them (training frees units after use as always)."""
     control: GenerationControl = module.__dict__[_CONTROL_ATTR]
-    if not control.options.keep_frozen_gathered or control.active:
+    if control.active:
         return
     if torch.is_grad_enabled():
-        if control.kept:
-            control.release()
-        return
-    if control.kept or any(u.state == UnitState.SUMMONED for u in control.wrapper.units):
-        return
-    control.keep(control.plan())
+        control.release()
+    elif not control.kept and not any(u.state is UnitState.SUMMONED for u in control.wrapper.units):
+        control.keep(control.plan())
 
 
-def _release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Any optimizer step may change shards (and TRL's ``sync_ref_model`` writes the reference after it)."""
+def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook (``patches.py``): any step may change shards (TRL's ``sync_ref_model`` writes
+    the reference after it), so units kept by frozen models are released."""
     for control in list(_CONTROLS):
-        if control.kept and not control.active:
+        if not control.active:
             control.release()
-
-
-register_optimizer_step_post_hook(_release_frozen_units)
 
 
 # ---------------------------------------------------------------------- TRL's seam (patch table entry)
 def trl_summon_full_params(original: Callable) -> Callable:
-    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (applied by
-    ``integrations/patches.py``).
-
-    Why: TRL's GRPO, RLOO and distillation trainers wrap generation in
-    ``self._dist.summon_full_params(self.model_wrapped, recurse=False)``, which calls torch's
-    ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1); on our wrapper that
-    finds no torch FSDP instance and does nothing, so every token gathered the whole model.  The
-    replacement routes accel_flatshard models to :func:`trl_generation_context`; others to TRL's."""
+    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (``patches.py``): TRL's GRPO, RLOO
+    and distillation trainers wrap generation in ``self._dist.summon_full_params(self.model_wrapped,
+    recurse=False)``, torch's ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1), which
+    finds no torch FSDP module in our wrapper and does nothing.  accel_flatshard models go to
+    :func:`trl_generation_context`, others to TRL's."""
 
     @functools.wraps(original)
     @contextlib.contextmanager
     def summon_full_params(self: Any, module: nn.Module, **kwargs: Any) -> Iterator[None]:
-        control = module.__dict__.get(_CONTROL_ATTR) if isinstance(module, nn.Module) else None
-        if control is None:
+        if find_wrapper(module) is None:
             with original(self, module, **kwargs):
                 yield
             return
@@ -410,17 +359,15 @@ def trl_summon_full_params(original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
-    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.
-
-    When the whole model in master dtype fits the generation budget (or mode ``full``): a real summon
-    without writeback (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), so
-    ``generate`` inside gathers nothing.  Otherwise the generation session of the budget/per-unit mode
-    (``recurse`` is torch's nesting flag; our units are not nested instances, and generation needs them
-    all)."""
-    control: GenerationControl = wrapper.__dict__[_CONTROL_ATTR]
+    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.  When the
+    whole model in master dtype fits the generation budget (or mode ``full``) a summon without writeback
+    (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), else the generation session of the
+    budget/per-unit mode (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
+    control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
     if control.options.mode == "full" or (kept and len(kept) == len(control.wrapper.units)):
-        with wrapper.summon_full_params(writeback=False):
+        control.wrapper._schedule.ensure_idle("summon_full_params")
+        with summoned(control.wrapper, writeback=False):
             yield
         return
     with control.session():

@@ -13,7 +13,7 @@ memory (pinned where the device is a GPU, so copies run asynchronously to the ho
 The device holds only what is in flight: the copied shard of a unit being gathered (freed once the
 all-gather read it), the gathered units, full gradients until they are reduced, the reduced shard until
 its copy to the host is issued, and activations.  The engine (``engine.py``) does the moves on its side
-streams through the device adapter (``streams.py``: ``to_device`` / ``to_host`` / ``host_empty``):
+streams through the device adapter (``engine.py``: ``to_device`` / ``to_host`` / ``host_empty``):
 
 1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather;
 2. compute;
@@ -23,6 +23,8 @@ streams through the device adapter (``streams.py``: ``to_device`` / ``to_host`` 
    an optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
 
 On a CPU device the host *is* the device: the copies are no-ops or host copies and nothing is pinned.
+The two optimizer step pre-hooks below (wait for those copies; a fused host Adam) are entries of
+``patches.py``, installed with the first offloaded model.
 """
 from __future__ import annotations
 
@@ -32,8 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
+from . import patches
 from .flat_param import FlatParameter
 
 
@@ -45,22 +46,6 @@ class CPUOffload:
     offload_params: bool = False
 
 
-def wants_offload(cpu_offload: Any) -> bool:
-    """``cpu_offload`` as given to the wrapper: None, a bool, ours or torch's ``CPUOffload``, or torch
-    FSDP2's ``CPUOffloadPolicy`` / ``OffloadPolicy``."""
-    if cpu_offload is None or isinstance(cpu_offload, bool):
-        return bool(cpu_offload)
-    if type(cpu_offload).__name__ == "CPUOffloadPolicy":
-        return True
-    if hasattr(cpu_offload, "offload_params"):
-        return bool(cpu_offload.offload_params)
-    if type(cpu_offload).__name__ == "OffloadPolicy":
-        return False
-    raise TypeError(
-        f"cpu_offload must be None, a bool, CPUOffload(offload_params=...) or CPUOffloadPolicy, got {cpu_offload!r}"
-    )
-
-
 class HostOffload:
     """The host-side buffers of an offloaded model and the device adapter that moves them."""
 
@@ -70,10 +55,8 @@ class HostOffload:
         # every host buffer allocated (all persistent: reused, never freed while the model lives)
         self.host_buffers: List[torch.Tensor] = []
         _LIVE.add(self)
-
-    @property
-    def pinned_allocations(self) -> int:
-        return len(self.host_buffers)
+        if "offload" not in patches.INSTALLED:
+            patches.install("offload")
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.host_buffers.append(self.streams.host_empty(numel, dtype))
@@ -117,7 +100,7 @@ class HostOffload:
 _LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
 
 
-def _wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Any step may write offloaded shards on the host (TRL's ``sync_ref_model`` writes a reference's after it)."""
     for offload in list(_LIVE):
         offload.wait_for_host_to_device_copies()
@@ -127,9 +110,10 @@ def _wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kw
 # foreach 54 ms, fused 12.7 ms per step; fused differs from the for-loop by at most 6 ulps where
 # |p| >= 1e-3 (2.4e-7 absolute).  torch picks the for-loop for CPU tensors unless told otherwise.
 _FAST_HOST_STEP_WARNED = False
+_MADE_FUSED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
-def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Offload onto a GPU moved the user's (Adam/AdamW) step to the host, where torch's default is its
     slowest variant: use the fused CPU kernel instead, unless the user chose ``foreach`` or ``fused``."""
     global _FAST_HOST_STEP_WARNED
@@ -143,6 +127,7 @@ def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs:
             continue
         group["fused"] = True
         optimizer._step_supports_amp_scaling = True  # as torch sets for fused optimizers (GradScaler)
+        _MADE_FUSED.setdefault(optimizer, []).append(group)
         if not _FAST_HOST_STEP_WARNED:
             _FAST_HOST_STEP_WARNED = True
             warnings.warn("accel_flatshard: with CPU offload the Adam/AdamW step runs on the host; using "
@@ -151,5 +136,10 @@ def _prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                           stacklevel=3)
 
 
-register_optimizer_step_pre_hook(_prefer_fused_host_adam)
-register_optimizer_step_pre_hook(_wait_for_copies_before_step)
+def undo_fused_default() -> None:
+    """``patches.uninstall()``: the optimizers :func:`prefer_fused_host_adam` changed get torch's default back."""
+    for optimizer, groups in list(_MADE_FUSED.items()):
+        for group in groups:
+            group["fused"] = None
+        optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+    _MADE_FUSED.clear()

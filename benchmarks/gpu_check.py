@@ -251,7 +251,7 @@ def llama_1b(meta: bool = True, layers: int = 22, hidden: int = 2048, vocab: int
 
 def _cuda_init(device):
     """param_init_fn: materialise one module's own tensors on the GPU (values do not matter here)."""
-    from accel_flatshard.init import materialize_own_tensors
+    from accel_flatshard.fully_sharded import materialize_own_tensors
 
     def init(module):
         materialize_own_tensors(module, device)
@@ -315,7 +315,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
           f"{_mib(max(unit_bytes))}: {'PASS' if good else 'FAIL'} (whole model: {_mib(n_params * 4)})", flush=True)
 
     # 2. training steps
-    engine = wrapped._root.engine
+    engine = wrapped._schedule.engine
     root_bytes = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
     layer_bytes = max(b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root)
     bound = (4 * shard_bytes + root_bytes + (engine.max_inflight + 1) * layer_bytes

@@ -48,7 +48,7 @@ def issuing_one_rank_groups(hybrid: bool) -> Iterator[List[comm.ShardGroup]]:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.collectives_at_one_rank = True
-            self.all_gather_via_p2p = self.via_p2p = False  # (gloo smoke: the collectives, not point-to-point)
+            self.via_p2p = False  # (gloo smoke: the collectives, not point-to-point)
             if hybrid:
                 self.replica_group = dist.new_group([0])
             made.append(self)
@@ -92,7 +92,7 @@ def _train_wrapped(gpu_check, family: str, device, data, kwargs, hybrid: bool, i
         losses = gpu_check.train(wrapped, data)
     with wrapped.summon_full_params():
         params = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
-    return losses, params, calls, wrapped._root.engine
+    return losses, params, calls, wrapped._schedule.engine
 
 
 def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

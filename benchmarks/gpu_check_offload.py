@@ -58,7 +58,7 @@ def device_bound(wrapped, activations: int) -> dict:
     the root and ``limit_all_gathers + 1`` layers gathered, ``max_pending_reductions + 1`` full gradients of
     the largest unit, for each of those a device copy of its shard (fp32 + compute dtype, or the reduced
     shard and its cast), and the activations."""
-    engine = wrapped._root.engine
+    engine = wrapped._schedule.engine
     unit_bytes = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in wrapped.units]
     shard_bytes = [sum(f.layout.shard_numel * 4 * 2 for f in u.flat_params) for u in wrapped.units]
     root = unit_bytes[[u.is_root for u in wrapped.units].index(True)]

@@ -97,7 +97,7 @@ from accel_flatshard.comm import _Works  # noqa: E402
 def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:
     """Engine: at most ``max_inflight`` full gradients awaiting reduction (the engine now bounds them on
     every device; this only sets the bound)."""
-    wrapped._root.engine.max_pending_reductions = max(1, max_inflight)
+    wrapped._schedule.engine.max_pending_reductions = max(1, max_inflight)
 
 
 def patch_adopt_grad(wrapped) -> None:

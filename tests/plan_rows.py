@@ -135,7 +135,7 @@ def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None
     for step in range(steps):
         tracker = _LimitedTracker(limit) if step == steps - 1 and sim is None else None
         if tracker is not None:
-            engine = wrapped._root.engine
+            engine = wrapped._schedule.engine
             tensors = [f.unsharded for f in wrapped.flat_params] + (engine.offload.host_buffers if engine.offload else [])
             tracker.track_external(wrapped, optimizer, *tensors, *[t for c in chunks for t in _tensors(c)])
         if sim is not None:

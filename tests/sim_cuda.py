@@ -1,6 +1,6 @@
 """A CPU simulation of CUDA streams (tests only): checks the engine's CUDA schedule without a GPU.
 
-The engine's real CUDA code path (``accel_flatshard.streams.CudaStreams``) runs against
+The engine's real CUDA code path (``accel_flatshard.engine.CudaStreams``) runs against
 :class:`SimulatedCuda`, which stands in for ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``,
 ``stream``).  Kernels and collectives really run (on CPU tensors, synchronously); what is simulated is
 their ordering on a GPU that is *infinitely slow* relative to the host: nothing is known complete until a
@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from accel_flatshard._compat import map_tensors
 from accel_flatshard.engine import Engine
-from accel_flatshard.streams import CudaStreams
+from accel_flatshard.engine import CudaStreams
 
 # c10d ops: indices of the arguments a collective writes (the others are read); unknown ones: all written
 _C10D_WRITES = {
@@ -334,7 +334,7 @@ class SimulatedCuda(TorchDispatchMode):
         for ref in self._models:
             model = ref()
             for unit in model.units if model is not None else ():
-                offload = model._root.engine.offload
+                offload = model._schedule.engine.offload
                 staging = offload._staging if offload is not None else {}
                 for i, flat in enumerate(unit.flat_params):
                     named = [("local_shard", flat.local_shard), ("sharded_grad", flat.sharded_grad),
@@ -558,9 +558,9 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     sharding in one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
     on a GPU).  Run the model inside ``with sim:`` so that its ops are observed."""
     sim = sim or SimulatedCuda(device_index, current_device)
-    root = model._root
-    old = root.engine
-    if old.has_pending():
+    schedule = model._schedule
+    old = schedule.engine
+    if old._gathers or old._reduces or old._reduced:
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
     new = Engine(group or old.group, old.device, old.reduce_dtype, old.max_inflight,
@@ -578,7 +578,9 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     if differing or set(vars(old)) != set(vars(new)):
         raise RuntimeError(f"sim_cuda: Engine settings {differing or sorted(set(vars(old)) ^ set(vars(new)))} "
                            "do not carry over to the simulated engine; update simulate_cuda()")
-    root.engine = new
+    schedule.engine = new
+    for unit in schedule.units:
+        unit.engine = new
     sim.watch(model)
     return sim
 

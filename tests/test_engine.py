@@ -140,7 +140,7 @@ def _memory_worker(rank, world_size):
     wrapped(data[0], labels=data[0]).loss.backward()
     padding = sum((f.layout.padded_numel - f.layout.unpadded_numel) * f.local_shard.element_size() * 4 // world_size
                   for f in wrapped.flat_params)
-    unsharded_alive = [f.is_unsharded for f in wrapped.flat_params]
+    unsharded_alive = [f.unsharded.untyped_storage().nbytes() for f in wrapped.flat_params]
     return footprint(ddp.module, ddp_opt), footprint(wrapped, opt), padding, unsharded_alive
 
 

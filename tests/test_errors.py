@@ -105,3 +105,29 @@ def test_optimizer_step_with_gradients_of_an_unfinished_backward_is_refused():
     assert "while a backward of an accel_flatshard model is still running" in errors["inside"]
     assert "backward that did not complete" in errors["after_abort_step"]
     assert grads_ok
+
+
+def test_illegal_unit_transitions_raise_naming_the_unit_the_states_and_the_hook(world_of_one):
+    """Each hook checks its unit's state (unit.py): a reshard while the unit's all-gather is in flight, a wait for
+    a gather never issued, a backward inside summon_full_params (the parameters are full tensors there)."""
+    from accel_flatshard.unit import UnitStateError
+
+    wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
+    block = wrapped.units[1]
+    block.unshard()
+    with pytest.raises(UnitStateError, match=rf"unit {block.name}: reshard in state IDLE/GATHERING: its "
+                                             "all-gather is in flight"):
+        block.reshard()
+    block.release()  # the legal way: wait, then free
+    with pytest.raises(UnitStateError, match=rf"unit {block.name}: wait_unshard in state IDLE/SHARDED: "
+                                             "no all-gather was issued"):
+        block.wait_unshard()
+    loss = wrapped(torch.ones(2, 12))
+    with wrapped.summon_full_params():
+        with pytest.raises(UnitStateError, match=r"unit <root>: pre_backward in state SUMMONED/\w+: "
+                                                 r"expected AWAIT_BACKWARD or BACKWARD_DONE or IDLE"):
+            loss.backward()
+    with pytest.warns(UserWarning, match="previous backward did not complete"):
+        loss = wrapped(torch.ones(2, 12))  # the model still trains
+    loss.backward()
+    assert all(p.grad is not None for p in wrapped.parameters())

@@ -28,16 +28,18 @@ def test_a_frozen_unit_is_resharded_when_its_backward_is_done():
     units = {u.name: u for u in wrapped.units}
     frozen, below = units["model.layers.1"], units["model.layers.0"]
     seen = []
-    original = below._post_backward
+    schedule = wrapped._schedule
+    original = schedule._post_backward
 
-    def spy(flat):  # layer 0's gradients are complete: layer 1's backward was over before
-        seen.append(frozen.is_unsharded())
-        original(flat)
+    def spy(unit, flat):  # layer 0's gradients are complete: layer 1's backward was over before
+        if unit is below:
+            seen.append(frozen.sharded_state.name)
+        original(unit, flat)
 
-    below._post_backward = spy
+    schedule._post_backward = spy
     x = batches(1)[0]
     wrapped(input_ids=x, labels=x).loss.backward()
-    assert seen == [False]
+    assert seen == ["SHARDED"]
 
 
 def test_a_frozen_unit_called_twice_trains_like_the_plain_model():

@@ -123,9 +123,55 @@ def test_no_module_over_600_lines_and_each_opens_with_what_it_owns():
     assert not no_docstring, no_docstring
 
 
+def test_torch_hooks_are_registered_only_through_the_patch_table():
+    # patches.py names torch's hook registration functions as strings (entries); no module calls them at import
+    callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if re.search(r"\bregister_optimizer_step_(pre|post)_hook\b", p.read_text()) and p.name != "patches.py")
+    assert callers == ["profiler.py"], callers  # (FLATSHARD_PROFILE steps its own profiler, started on request)
+
+
 def test_environment_read_only_in_options_and_config():
     # Every FLATSHARD_* variable goes through options.py; config.py reads accelerate's own (FSDP_*, WORLD_SIZE).
     pattern = re.compile(r"\bos\.environ\b|\bos\.getenv\b")
     readers = sorted({str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                       if pattern.search(p.read_text())})
     assert readers == ["integrations/config.py", "options.py"], readers
+
+
+# Called by name from outside the package: torch DCP's planner / storage interfaces, pickle, nn.Module.
+ENTRY_POINTS = {"load_bytes", "write_data", "read_metadata", "read_data", "persistent_load", "extra_repr"}
+
+
+def _names_used(paths) -> Set[str]:
+    """Every name read (``x``, ``obj.x``, ``import x``) or spelled as a dotted path (``"module:function"``)."""
+    names: Set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias):
+                names.add(node.name.rpartition(".")[2])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not any(c.isspace() for c in node.value):
+                names.update(node.value.replace(":", ".").split("."))
+    return names
+
+
+def unreferenced_functions(package: Path, other_paths=()) -> List[str]:
+    used = _names_used([*package.rglob("*.py"), *other_paths])
+    return [f"{p.relative_to(package.parent)}:{node.lineno} {node.name}" for p in sorted(package.rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name not in used and node.name not in ENTRY_POINTS and not node.name.startswith("__")]
+
+
+def test_every_function_is_referenced_in_the_package_or_the_tests():
+    tests = Path(__file__).resolve().parent
+    assert unreferenced_functions(PACKAGE, tests.rglob("*.py")) == []
+
+
+def test_the_reference_check_finds_an_unused_function(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text("def used():\n    pass\n\n\ndef unused():\n    used()\n")
+    assert unreferenced_functions(package) == ["pkg/m.py:5 unused"]

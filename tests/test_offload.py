@@ -70,13 +70,13 @@ def test_offloaded_host_buffers_are_allocated_once_and_reused():
     """Shards, gradients and (with accumulation) staging buffers: allocated in the first step, reused by
     every later step, also across zero_grad() (set to None)."""
     model = _model(True)
-    offload = model._root.engine.offload
+    offload = model._schedule.engine.offload
     _train(model, "per_micro_step", steps=1)
-    after_first = offload.pinned_allocations
+    after_first = len(offload.host_buffers)
     trainable = sum(f.requires_grad for f in model.flat_params)
     assert after_first == len(model.flat_params) + 2 * trainable  # shard each; grad + staging per trainable
     _train(model, "per_micro_step", steps=3)
-    assert offload.pinned_allocations == after_first
+    assert len(offload.host_buffers) == after_first
     assert all(f.sharded_grad is not None for f in model.flat_params if f.requires_grad)  # kept, not freed
 
 
@@ -84,7 +84,7 @@ def test_cpu_offload_accepts_torch_forms():
     from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from accel_flatshard.offload import wants_offload
+    from accel_flatshard.fully_sharded import wants_offload
 
     assert wants_offload(TorchCPUOffload(offload_params=True)) and wants_offload(CPUOffloadPolicy())
     assert not wants_offload(TorchCPUOffload()) and not wants_offload(OffloadPolicy()) and not wants_offload(None)

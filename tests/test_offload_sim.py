@@ -87,7 +87,7 @@ def test_offload_schedule_trains_exactly_like_the_plain_model_with_nothing_persi
 
 def _device_bound(model, activations):
     """gathered units in flight + unreduced full gradients + shard copies + activations."""
-    engine = model._root.engine
+    engine = model._schedule.engine
     unit = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in model.units]
     shard = [sum(f.layout.shard_numel * 4 * 2 for f in u.flat_params) for u in model.units]
     root = unit[[u.is_root for u in model.units].index(True)]
@@ -123,12 +123,12 @@ def test_pinned_buffers_are_reused_not_leaked(accumulate):
     """Shards, gradients and (when gradients accumulate) staging: pinned once in the first step; later
     steps (zero_grad to None, accumulation over micro-steps) reuse them, and no pinned buffer piles up."""
     model, sim = _offloaded()
-    offload = model._root.engine.offload
+    offload = model._schedule.engine.offload
     counts = []
 
     def count(model, opt):
         alive = [b for b in list(sim._buffers.values()) if b.placement == "host" and b.pinned]
-        counts.append((offload.pinned_allocations, len(alive)))
+        counts.append((len(offload.host_buffers), len(alive)))
 
     _train(model, sim, steps=4, accumulate=accumulate, after_step=count)
     assert sim.violations == []
@@ -150,7 +150,7 @@ class _CopiesOnTheComputeStream(SimCudaStreams):
 def test_every_host_to_device_copy_is_ordered_before_the_gather_that_reads_it(broken):
     model, sim = _offloaded()
     if broken:
-        engine = model._root.engine
+        engine = model._schedule.engine
         adapter = _CopiesOnTheComputeStream(engine.streams.device, sim)
         adapter._side = engine.streams._side  # the same simulated side streams
         engine.streams = engine.offload.streams = adapter

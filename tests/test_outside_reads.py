@@ -63,7 +63,7 @@ def _worker(rank, world_size, also_call_head, reshard_after_forward, frozen_head
         "losses": losses, "evals": evals, "params": full_params(wrapped),
         "head_is_unit": head_unit is not None,
         "head_weight_shape_between_steps": tuple(model.lm_head.weight.shape),
-        "head_gathered_after_steps": head_unit.is_unsharded(),
+        "head_gathered_after_steps": head_unit.sharded_state.name != "SHARDED",
         "head_class_name": type(model.lm_head).__name__,
         "head_is_linear": isinstance(model.lm_head, torch.nn.Linear),
     }

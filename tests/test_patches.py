@@ -15,7 +15,8 @@ import accelerate.utils
 import accelerate.utils.fsdp_utils
 import transformers.trainer
 
-from accel_flatshard.integrations import fsdp_utils_shim, patches, versions
+from accel_flatshard import patches
+from accel_flatshard.integrations import fsdp_utils_shim, versions
 
 
 @pytest.fixture
@@ -49,20 +50,72 @@ def test_table_lists_every_patch_install_applies(clean_patches):
     import trl.trainer.dpo_trainer  # noqa: F401  (so the TRL entry applies)
 
     applied = patches.install(register=True)
+    for scope in set(patches.SCOPES) - {"register", "accelerator", "wrapper"}:
+        applied += patches.install(scope)
     table_targets = set()
     for p in patches.PATCHES:
-        table_targets.add(f"{p.owner}.{p.attribute}")
+        table_targets.add(p.target)
         table_targets.update(f"{m}.{p.attribute}" for m in p.also_bound_in)
     attributes = {p.attribute for p in patches.PATCHES}
     for where in applied:
         # every binding is a table entry's owner or named binding, or (scan) an imported module's same name
         assert where in table_targets or where.rsplit(".", 1)[1] in attributes, where
-    applicable = {f"{p.owner}.{p.attribute}" for p in patches.PATCHES if not patches._predates(p)}
+    applicable = {p.target for p in patches.PATCHES if not patches._predates(p)}
     assert len(applicable) >= len(patches.PATCHES) - 1  # only TRL's seam may predate the installed library
     assert applicable <= set(applied)
     markdown = patches.markdown_table()
     for p in patches.PATCHES:
-        assert f"`{p.owner}.{p.attribute}`" in markdown
+        assert f"`{p.target}`" in markdown
+
+
+def ours():
+    """Names of the optimizer step hooks of this package registered with torch now."""
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]
+    return [h.__name__ for h in hooks if h.__module__.startswith("accel_flatshard")]
+
+
+def test_the_plain_wrapper_installs_its_hooks_at_its_first_wrap(clean_patches, world_of_one):
+    import torch
+    from accel_flatshard import FullyShardedDataParallel
+
+    assert ours() == []
+    FullyShardedDataParallel(torch.nn.Linear(4, 4))
+    assert ours() == ["refuse_step_during_backward"]
+    FullyShardedDataParallel(torch.nn.Linear(4, 4), cpu_offload=True)
+    assert sorted(ours()) == ["prefer_fused_host_adam", "refuse_step_during_backward", "wait_for_copies_before_step"]
+
+
+def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(clean_patches, monkeypatch):
+    """The optimizer step hooks, offload's fused default and accelerate's shared state are table entries: listed by
+    install(), undone by uninstall()."""
+    import torch
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setattr("accel_flatshard.offload._FAST_HOST_STEP_WARNED", False)
+    shared = dict(PartialState._shared_state)
+    assert ours() == []
+    applied = [where for scope in ("wrapper", "offload", "frozen", "fsdp_state") for where in patches.install(scope)]
+    assert sorted(applied) == ["accelerate.state.PartialState._shared_state['distributed_type']", *(
+        f"torch.optim.optimizer.register_optimizer_step_{when}_hook({name})" for when, name in [
+            ("post", "release_frozen_units"), ("pre", "prefer_fused_host_adam"), ("pre", "refuse_step_during_backward"),
+            ("pre", "wait_for_copies_before_step")])]
+    assert sorted(ours()) == ["prefer_fused_host_adam", "refuse_step_during_backward", "release_frozen_units",
+                              "wait_for_copies_before_step"]
+    assert PartialState._shared_state["distributed_type"] is DistributedType.FSDP
+    # offload onto a GPU: a stock AdamW steps fused (a stand-in for the offloaded parameters' host buffers)
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.ones(4)
+    param._flatshard_offload = type("Offload", (), {"streams": type("S", (), {"stream_ordered": True})()})()
+    opt = torch.optim.AdamW([param])
+    with pytest.warns(UserWarning, match="fused=True"):
+        opt.step()
+    assert opt.param_groups[0]["fused"] is True and opt._step_supports_amp_scaling
+    patches.uninstall()
+    assert ours() == [] and dict(PartialState._shared_state) == shared
+    assert opt.param_groups[0]["fused"] is None and "_step_supports_amp_scaling" not in opt.__dict__
 
 
 def test_missing_essential_target_is_an_error_naming_it(clean_patches, monkeypatch):

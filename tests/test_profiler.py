@@ -13,7 +13,7 @@ from torch.profiler import profile
 import accel_flatshard.profiler as profiler_module
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.profiler import PHASE_ROWS, phase_table, start_from_env, step_phases, stop_env_profiler
-from accel_flatshard.streams import HostStreams
+from accel_flatshard.engine import HostAdapter
 from dist_helpers import spawn
 from models import batches, gpt2
 
@@ -129,7 +129,7 @@ def test_phase_table_from_events_puts_the_rate_limit_wait_in_its_own_row():
     assert "| 3.0 |" in phase_table([s]).split("rate-limit wait")[1].split("\n")[0]
 
 
-class _SlowFreeStreams(HostStreams):
+class _SlowFreeStreams(HostAdapter):
     """Host adapter whose freed buffers complete late (as a busy CUDA compute stream): the engine's
     all-gather rate limit then makes the host wait."""
 
@@ -142,7 +142,7 @@ class _SlowFreeStreams(HostStreams):
 
 def test_engine_rate_limit_wait_is_reported_as_its_own_phase(world_of_one):
     wrapped = _wrap()
-    wrapped._root.engine.streams = _SlowFreeStreams(torch.device("cpu"))
+    wrapped._schedule.engine.streams = _SlowFreeStreams(torch.device("cpu"))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     _train(wrapped, optimizer, steps=1)
     with profile() as prof:

@@ -598,8 +598,8 @@ def test_the_simulator_names_the_tensor_the_stream_and_the_op_of_an_unordered_ho
     with sim:
         with torch.no_grad():
             model(input_ids=x)  # gathers copy the host shards to the device (all-gather stream)
-        unit = model._root.recorded_order[-1]  # gathered last
+        unit = model._schedule.recorded_order[-1]  # gathered last
         unit.flat_params[0].local_shard.add_(1.0)  # on the host, without waiting for those copies
-    stream = model._root.engine.all_gather_stream.name
+    stream = model._schedule.engine.all_gather_stream.name
     assert any(v.startswith(f"local_shard of {unit.name}[0] written on host while {stream} may still read it")
                and "aten::add_" in v for v in sim.violations), sim.violations

@@ -13,7 +13,7 @@ import torch.nn as nn
 from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
-from accel_flatshard.streams import HIGH_PRIORITY, CudaStreams, HostStreams
+from accel_flatshard.engine import HIGH_PRIORITY, CudaStreams, HostAdapter
 from models import batches, llama, llama_layer_class
 from sim_cuda import SimulatedCuda, one_thread, sim_adapter, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
@@ -47,7 +47,7 @@ def _train(model, steps=2, sim=None):
 
 def test_simulated_cuda_schedule_trains_exactly_like_the_plain_model():
     model, sim = _simulated()
-    assert isinstance(model._root.engine.streams, CudaStreams)
+    assert isinstance(model._schedule.engine.streams, CudaStreams)
     assert _train(model, sim=sim) == _train(llama(n_layer=LAYERS))
     assert sim.violations == []
 
@@ -58,14 +58,14 @@ def test_at_most_n_full_gradients_are_alive_during_backward():
     _train(model, steps=1, sim=sim)
     n_flats = len(model.flat_params)
     assert n_flats > 3
-    assert sim.peak["full_grad"] <= model._root.engine.max_pending_reductions
+    assert sim.peak["full_grad"] <= model._schedule.engine.max_pending_reductions
     assert sim.violations == []  # each was dropped only after the compute stream waited for its reduction
 
 
 def test_the_simulator_sees_unbounded_full_gradients(monkeypatch):
     """The check above can fail: with the bound lifted (the old CUDA path) every flat gradient stays alive."""
     model, sim = _simulated()
-    model._root.engine.max_pending_reductions = 10**6
+    model._schedule.engine.max_pending_reductions = 10**6
     _train(model, steps=1, sim=sim)
     assert sim.peak["full_grad"] == len(model.flat_params)
 
@@ -177,7 +177,7 @@ def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter, world, val
     divided by 2 before and 2 after, the average 30000 comes out.  At W=8 the factors differ (4 before, 2
     after): 8 * 30720 / 4 = 61440 fits, while swapped (2 before) 122880 would be inf."""
     sim = SimulatedCuda()
-    streams = sim_adapter(sim) if adapter == "cuda" else HostStreams(torch.device("cpu"))
+    streams = sim_adapter(sim) if adapter == "cuda" else HostAdapter(torch.device("cpu"))
     engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=streams)
     flat, p, grad = _flat_with_grad(world, value, torch.float16)
     with sim:

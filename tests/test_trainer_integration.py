@@ -27,7 +27,8 @@ from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import accelerate as acc_mod  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
-from accel_flatshard.integrations import fsdp_utils_shim, patches  # noqa: E402
+from accel_flatshard import patches  # noqa: E402
+from accel_flatshard.integrations import fsdp_utils_shim  # noqa: E402
 
 CONFIGS = REPO / "accelerate_configs"
 

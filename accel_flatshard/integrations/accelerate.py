@@ -47,13 +47,13 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options
+from .. import options, patches
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel
 from ..grad_norm import clip_grad_norm_, scale_by_clip_coefficient
 from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
-from . import fsdp_utils_shim, patches
+from . import fsdp_utils_shim
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
 from .config import fsdp_version_requested, launched_world_size, normalize_plugin_to_fsdp1, options_from_plugin
@@ -147,8 +147,7 @@ class Accelerator(_BaseAccelerator):
             plugin.set_mixed_precision(state.mixed_precision)
         state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
-        # PartialState keeps its own copy of the shared dict; accelerate's gather/save helpers read it.
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        patches.install("fsdp_state")  # PartialState's own copy of the shared dict, which accelerate's helpers read
         return True
 
     def _setup_grad_scaler(self) -> None:

@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from .. import options
 from ..mixed_precision import MixedPrecision
-from ..offload import CPUOffload, wants_offload
+from ..fully_sharded import wants_offload
+from ..offload import CPUOffload
 from ..unit import BackwardPrefetch
 from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 

@@ -516,7 +516,7 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
     peak (``skeleton``: :func:`meta_copy` of the model before wrapping) and warn once if it exceeds
     ``available_bytes(device)``, with the fastest configuration predicted to fit.  A warning, not an error:
     the prediction may be pessimistic (it assumes the host runs ahead of the GPU)."""
-    device = wrapped._root.engine.device
+    device = wrapped._schedule.engine.device
 
     def check(module: nn.Module, args: Any, kwargs: Any) -> None:
         handle.remove()

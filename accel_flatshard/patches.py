@@ -1,19 +1,15 @@
-"""The one table of library symbols accel_flatshard replaces, process-wide, and the code that applies it.
+"""The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it.
 
-Each :class:`Patch` names the symbol where it is defined (``owner`` module + ``attribute``), the other
-modules known to bind it by name (``from accelerate.utils import save_fsdp_model`` in
-``transformers.trainer`` makes a second binding that patching the owner does not reach), why it is
-replaced, by what (a dotted path, resolved when installing, so this module imports none of the
-replacements), and the library versions it was checked on.  :func:`install` applies the table and logs
-one INFO line per binding it changes plus a summary; a target that is not found *by name* (a release
-moved or renamed it) or that holds something else than the original (a release re-wrapped it) is
-reported with the module, attribute and installed library version: a warning, or a RuntimeError for
-the patches without which training or checkpoints would be wrong.  Never a silent no-op.
-:func:`uninstall` puts every original back (tests).
-
-Besides the named bindings, every already-imported module of the packages in ``scan_packages`` (and
-``__main__``, a script that imported the name itself) that holds the original object is patched too:
-the names are looked up by name first, the identity scan only adds bindings nobody listed.
+Each :class:`Patch` names its target where it is defined (``owner`` module + ``attribute``), why, by what (a
+dotted path resolved when installing: this module imports none of the replacements, nor accelerate), the library
+versions it was checked on, and when it is applied (``scope``: nothing at import).  Three kinds: a replaced
+symbol, also in the modules known to bind it by name (``from accelerate.utils import save_fsdp_model`` in
+``transformers.trainer`` is a second binding) and in any imported module of ``scan_packages`` (or ``__main__``)
+that holds the original; a process-wide hook (``hook``) registered with ``attribute``; an entry of a library's
+dict (``key``).  :func:`install` logs one INFO line per change plus a summary; a target not found *by name* (a
+release moved it) or holding something else than the original (a release re-wrapped it) is reported with the
+module, attribute and installed library version: a warning, or a RuntimeError for the patches without which
+training or checkpoints would be wrong.  Never a silent no-op.  :func:`uninstall` undoes every change (tests).
 """
 from __future__ import annotations
 
@@ -23,9 +19,9 @@ import logging
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
-__all__ = ["Patch", "PATCHES", "install", "uninstall", "installed", "markdown_table"]
+__all__ = ["Patch", "PATCHES", "SCOPES", "install", "uninstall", "markdown_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +30,7 @@ _MARK = "_accel_flatshard_patch"  # set on every replacement object: the Patch n
 
 @dataclass(frozen=True)
 class Patch:
-    """One replaced library symbol (see the module docstring)."""
+    """One change outside the package (see the module docstring)."""
 
     name: str
     owner: str  # module that defines the symbol
@@ -47,12 +43,28 @@ class Patch:
     wraps_original: bool = False  # replacement is a factory called with the original
     essential: bool = True  # missing target -> RuntimeError (wrong results otherwise), else a warning
     optional_owner: bool = False  # owner not imported -> nothing to do (the library is not in use)
-    register_only: bool = False  # applied by register() only, not by every Accelerator
+    scope: str = "accelerator"  # when it is applied (SCOPES)
     introduced_in: str = ""  # library version that added the target: older ones have nothing to patch
+    hook: bool = False  # ``attribute`` registers a process-wide hook; uninstall() removes the handle
+    key: str = ""  # ``attribute`` is a dict: the replacement is written under ``key``
+    undo: str = ""  # "module:function" that uninstall() calls (what a hook changed on other objects)
 
     @property
     def package(self) -> str:
         return self.owner.split(".", 1)[0]
+
+    @property
+    def target(self) -> str:
+        if self.hook:
+            return f"{self.owner}.{self.attribute}({self.replacement.rpartition(':')[2]})"
+        return f"{self.owner}.{self.attribute}" + (f"[{self.key!r}]" if self.key else "")
+
+
+# scope -> who applies its entries; install("accelerator") (every Accelerator) also applies "wrapper"
+SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
+          "wrapper": "the first wrap, every Accelerator", "offload": "the first wrap with CPU offload",
+          "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA"}
+_TORCH_HOOKS = "torch 2.11, 2.13"
 
 
 _FSDP_UTILS_WHY = ("torch FSDP's state_dict_type context finds no torch FSDP module in an accel_flatshard model "
@@ -62,7 +74,7 @@ _FSDP_FUNCTION_BINDINGS = ("accelerate.utils", "accelerate.accelerator", "transf
 PATCHES: Tuple[Patch, ...] = (
     Patch("Accelerator", "accelerate", "Accelerator", "accel_flatshard.integrations.accelerate:Accelerator",
           "unmodified scripts (`from accelerate import Accelerator` after register()) shard with accel_flatshard",
-          "accelerate 1.10.1, 1.15", also_bound_in=("accelerate.accelerator",), register_only=True),
+          "accelerate 1.10.1, 1.15", also_bound_in=("accelerate.accelerator",), scope="register"),
     *(Patch(fn, "accelerate.utils.fsdp_utils", fn, f"accel_flatshard.integrations.fsdp_utils_shim:{fn}",
             _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.15; transformers 4.57.6, 5.24",
             also_bound_in=_FSDP_FUNCTION_BINDINGS, scan_packages=("accelerate", "transformers", "trl", "peft"))
@@ -87,7 +99,7 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.integrations.config:post_init_without_device",
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
           "(sync_module_states prepares a GPU param_init_fn accel_flatshard never uses)",
-          "accelerate 1.10.1, 1.15", wraps_original=True, essential=False, register_only=True),
+          "accelerate 1.10.1, 1.15", wraps_original=True, essential=False, scope="register"),
     Patch("parallelism_config_check", "accelerate.parallelism_config", "ParallelismConfig._validate_accelerator",
           "accel_flatshard.integrations.config:validating_flatshard_layout",
           "accelerate refuses a parallelism_config unless torch FSDP2 or a multi-device type runs; accel_flatshard "
@@ -101,10 +113,34 @@ PATCHES: Tuple[Patch, ...] = (
           "trl 1.16 (trl.distributed appeared in 1.6; before it GRPO calls torch's FSDP.summon_full_params, a "
           "no-op on our wrapper, and generate() still gathers once through the generate hook)",
           wraps_original=True, essential=False, optional_owner=True, introduced_in="1.6"),
+    Patch("refuse_step_during_backward", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
+          "accel_flatshard.unit:refuse_step_during_backward",
+          "a step while a backward of a sharded model runs, or after one that raised, would use partial, unreduced "
+          "gradients: it raises instead", _TORCH_HOOKS, hook=True, scope="wrapper"),
+    Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
+          "accel_flatshard.offload:wait_for_copies_before_step",
+          "with CPU offload the step writes the host shards, which copies to the GPU may still read: the host "
+          "waits for those copies first", _TORCH_HOOKS, hook=True, scope="offload"),
+    Patch("offload_fused_adam", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
+          "accel_flatshard.offload:prefer_fused_host_adam",
+          "with CPU offload onto a GPU the Adam/AdamW step runs on the host, where torch's default is its slowest "
+          "variant: sets `fused=True` in the optimizer's param groups (unless foreach/fused were chosen) and "
+          "`optimizer._step_supports_amp_scaling`, as torch does for fused optimizers (about 4x faster)",
+          _TORCH_HOOKS, hook=True, scope="offload", undo="accel_flatshard.offload:undo_fused_default"),
+    Patch("release_frozen_units", "torch.optim.optimizer", "register_optimizer_step_post_hook",
+          "accel_flatshard.generation:release_frozen_units",
+          "units a frozen model keeps gathered go stale when a step changes its shards (TRL's sync_ref_model writes "
+          "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
+    Patch("accelerate_fsdp_state", "accelerate.state", "PartialState._shared_state", "accelerate.utils:DistributedType.FSDP",
+          "on a host without CUDA the Accelerator switches accelerate's MULTI_CPU state to FSDP; PartialState keeps "
+          "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.15",
+          key="distributed_type", scope="fsdp_state"),
 )
 
 # (module name, attribute path) -> original object, for every binding install() changed
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
+_UNDO: Dict[str, Callable[[], None]] = {}  # hook and dict entries applied: name -> how uninstall() undoes it
+INSTALLED: set = set()  # scopes installed (the wrapper reads it: no call into this module once done)
 
 
 def _version(package: str) -> str:
@@ -162,8 +198,32 @@ def _predates(patch: Patch) -> bool:
     return installed != "not installed" and Version(installed) < Version(patch.introduced_in)
 
 
+def _apply_hook_or_key(patch: Patch, applied: List[str]) -> None:
+    try:
+        target, value = _resolve(f"{patch.owner}:{patch.attribute}"), _resolve(patch.replacement)
+    except (ImportError, AttributeError) as exc:
+        _report_missing(patch, patch.target, f"not found ({exc})")
+        return
+    if patch.hook:
+        if patch.name in _UNDO:
+            return
+        _UNDO[patch.name] = target(value).remove
+    else:
+        shared = target
+        if shared.get(patch.key) is value:
+            return
+        if patch.name not in _UNDO:
+            had, before = patch.key in shared, shared.get(patch.key)
+            _UNDO[patch.name] = lambda: shared.update({patch.key: before}) if had else shared.pop(patch.key, None)
+        shared[patch.key] = value
+    applied.append(patch.target)
+
+
 def _apply(patch: Patch, applied: List[str]) -> None:
     if _predates(patch):
+        return
+    if patch.hook or patch.key:
+        _apply_hook_or_key(patch, applied)
         return
     owner = sys.modules.get(patch.owner)
     if owner is None:
@@ -218,17 +278,19 @@ def _apply(patch: Patch, applied: List[str]) -> None:
                 _set(name, module, patch.attribute, original, replacement, applied)
 
 
-def install(register: bool = False) -> List[str]:
-    """Apply :data:`PATCHES` (the ``register_only`` ones too when ``register``); idempotent.
+def install(scope: str = "accelerator", register: bool = False) -> List[str]:
+    """Apply the entries of ``scope`` (``"accelerator"``: also ``"wrapper"``'s, and ``"register"``'s when
+    ``register``); idempotent.
 
-    Returns the ``module.attribute`` bindings changed by this call (each also logged at INFO).  Raises
-    RuntimeError naming the binding when an essential target is missing; warns for the others.
+    Returns the targets changed by this call (each also logged at INFO).  Raises RuntimeError naming the
+    binding when an essential target is missing; warns for the others.
     """
+    scopes = {scope} | ({"wrapper"} if scope == "accelerator" else set()) | ({"register"} if register else set())
     applied: List[str] = []
     for patch in PATCHES:
-        if patch.register_only and not register:
-            continue
-        _apply(patch, applied)
+        if patch.scope in scopes:
+            _apply(patch, applied)
+    INSTALLED.update(scopes)
     for where in applied:
         logger.info("accel_flatshard: patched %s", where)
     if applied:
@@ -237,33 +299,30 @@ def install(register: bool = False) -> List[str]:
     return applied
 
 
-def installed() -> List[str]:
-    """``module.attribute`` of every binding currently replaced."""
-    return [f"{module}.{path}" for module, path in _ORIGINALS]
-
-
 def uninstall() -> None:
-    """Restore every original :func:`install` replaced (for tests)."""
+    """Undo every change :func:`install` made (for tests)."""
     for (module_name, path), original in reversed(list(_ORIGINALS.items())):
         module = sys.modules.get(module_name)
         if module is not None:
             holder, leaf = _container(module, path)
             setattr(holder, leaf, original)
     _ORIGINALS.clear()
+    for name, undo in reversed(list(_UNDO.items())):
+        undo()
+        patch = next(p for p in PATCHES if p.name == name)
+        if patch.undo:
+            _resolve(patch.undo)()
+    _UNDO.clear()
+    INSTALLED.clear()
 
 
 def markdown_table() -> str:
     """The table as markdown (README)."""
-    rows = ["| symbol (defined in) | also replaced in | why | replacement | checked on |",
-            "|---|---|---|---|---|"]
+    rows = ["| target (defined in) | also replaced in | why | replacement | checked on | applied by |",
+            "|---|---|---|---|---|---|"]
     for p in PATCHES:
-        also = ", ".join(f"`{m}`" for m in p.also_bound_in) or "-"
+        also = ", ".join(f"`{m}`" for m in p.also_bound_in) or ("(hook registered)" if p.hook else "-")
         if p.scan_packages:
             also += f"; any imported `{'`/`'.join(p.scan_packages)}` module holding it"
-        rows.append(f"| `{p.owner}.{p.attribute}` | {also} | {p.why} | `{p.replacement}` | {p.checked_on} |")
+        rows.append(f"| `{p.target}` | {also} | {p.why} | `{p.replacement}` | {p.checked_on} | {SCOPES[p.scope]} |")
     return "\n".join(rows)
-
-
-def find(name: str) -> Optional[Patch]:
-    """The table entry called ``name``."""
-    return next((p for p in PATCHES if p.name == name), None)
