@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_helpers import (CPU_FSDP_YAML, PLAIN_SCRIPT, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff,
+from launch_helpers import (CPU_FSDP_YAML, PLAIN_SCRIPT, SCRIPTS, ddp_reference, fsdp_config, launch, max_abs_diff,
                             read_json)
 
 TOL = 1e-6  # loss / grad-norm agreement with DDP (fp32, same data, same reduction order up to fp rounding)
@@ -33,11 +33,12 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("accelerate_launch")
 
 
+plain_ddp = ddp_reference("plain_ddp", PLAIN_SCRIPT, lambda out: ["--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def ddp_ref(work):
-    out = work / "ddp.json"
-    launch(ddp_config(work), PLAIN_SCRIPT, ["--output_json", str(out)], ddp=True)
-    return read_json(out)
+def ddp_ref(plain_ddp):
+    return read_json(plain_ddp / "ddp.json")
 
 
 @pytest.fixture(scope="module")

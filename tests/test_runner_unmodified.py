@@ -15,7 +15,7 @@ from pathlib import Path
 import accelerate
 import pytest
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch, max_abs_diff, read_json
 
 MERGE_WEIGHTS_SCRIPT = Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_merge_weights.py"
 
@@ -41,13 +41,16 @@ def test_accelerates_own_merge_weights_script_passes_unmodified(merge_weights_ru
     assert returncode == 0, output[-6000:]
 
 
+custom_blocks_ddp = ddp_reference("custom_blocks_ddp", SCRIPTS / "custom_blocks_train.py",
+                                  lambda out: ["--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def custom_runs(tmp_path_factory):
+def custom_runs(tmp_path_factory, custom_blocks_ddp):
     work = tmp_path_factory.mktemp("custom_blocks")
-    script = SCRIPTS / "custom_blocks_train.py"
-    launch(ddp_config(work), script, ["--output_json", str(work / "ddp.json")], ddp=True)
-    proc = launch(CPU_FSDP_YAML, script, ["--output_json", str(work / "fsdp.json")], via_run=True)
-    return read_json(work / "ddp.json"), read_json(work / "fsdp.json"), proc.stdout + proc.stderr
+    proc = launch(CPU_FSDP_YAML, SCRIPTS / "custom_blocks_train.py", ["--output_json", str(work / "fsdp.json")],
+                  via_run=True)
+    return read_json(custom_blocks_ddp / "ddp.json"), read_json(work / "fsdp.json"), proc.stdout + proc.stderr
 
 
 def test_custom_module_without_no_split_modules_trains_like_ddp(custom_runs):
