@@ -26,6 +26,12 @@ def _tier(path) -> int:
     return 1 if "dist_helpers" in source else 0
 
 
+def pytest_configure(config):
+    # here rather than in pyproject.toml, whose every change rebuilds the venv (Makefile)
+    config.addinivalue_line("markers", "ci: run by CI (make test-ci) and make test-all, not by make test: "
+                                       "launch-heavy cases whose code paths the default run also reaches")
+
+
 def pytest_collection_modifyitems(session, config, items):
     tiers = {}
     for item in items:

@@ -13,6 +13,11 @@ one launch checks several things; the launches are module fixtures shared by the
 * ``combo_run``: HYBRID_SHARD (FLATSHARD_GROUP_SIZE=1), activation checkpointing, forward prefetch,
   BACKWARD_POST, cpu_ram_efficient_loading from a local ``save_pretrained`` dir, ``prepare`` in reversed
   order, ``sync_each_batch``, automatic checkpoint naming with ``total_limit``.
+* ``offload_run`` (marked ``ci``: CI runs it, ``make test`` does not; tests/test_trainer.py launches the
+  offload yaml in the default run): the README yaml with ``fsdp_offload_params: true``, then a new launch that
+  resumes from its checkpoints.
+
+The accelerate-DDP reference runs in the session's shared reference launch (launch_helpers.ddp_reference).
 """
 from __future__ import annotations
 
@@ -172,6 +177,7 @@ def offload_run(work):
     return read_json(out)
 
 
+@pytest.mark.ci
 def test_offload_yaml_trains_like_ddp_and_resumes_exactly(work, ddp_ref, offload_run):
     """fsdp_offload_params: true is accepted on a CPU-only host (not refused), shards, and trains like DDP;
     a new launch with the same yaml loads its step-4 FULL and SHARDED checkpoints and reproduces steps 5-8."""

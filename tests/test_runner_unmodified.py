@@ -7,6 +7,10 @@ accel_flatshard.run`` (the README yaml, 2 CPU processes, gloo):
 * a user's ``nn.Module`` without ``_no_split_modules`` (blocks in an ``nn.ModuleList``) under
   TRANSFORMER_BASED_WRAP with no class list: the repeated blocks become units (logged), losses equal DDP's,
   each rank holds about 1/W of the parameters.
+
+The merge-weights launch is marked ``ci`` (CI runs it, ``make test`` does not): the save and merge paths it
+takes are the ones tests/test_trainer.py's ``accelerate merge-weights`` check and tests/test_accelerate_launch.py
+reach in the default run.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ def merge_weights_run(tmp_path_factory):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.ci
 def test_merge_weights_script_builds_its_plugin_trains_saves_and_merges(merge_weights_run):
     _, output = merge_weights_run
     # (a) FullyShardedDataParallelPlugin(...) in user code no longer raises on a CPU host
@@ -36,6 +41,7 @@ def test_merge_weights_script_builds_its_plugin_trains_saves_and_merges(merge_we
     assert "Successfully merged FSDP weights and saved to test_merge_weights_fsdp_weights/model.safetensors" in output
 
 
+@pytest.mark.ci
 def test_accelerates_own_merge_weights_script_passes_unmodified(merge_weights_run):
     returncode, output = merge_weights_run
     assert returncode == 0, output[-6000:]
