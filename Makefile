@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: example test test-all bench bench-gen clean
+.PHONY: example test test-ci test-all bench bench-gen clean
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -14,11 +14,21 @@ $(VENV_STAMP): pyproject.toml
 example: $(VENV_STAMP)
 	.venv/bin/accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/train_causal_lm.py
 
+# The default suite: unit tests first, then spawned gloo ranks, then real launches (tests/conftest.py).
 test: $(VENV_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not ci"
 
+# What CI runs beyond `make test` (.ci/run): the tests marked ci, the CUDA schedule's derived mutation table
+# and the simulated public paths at W=2 (README "Tests").
+test-ci: $(VENV_STAMP)
+	$(PY) -m pytest -q -m "ci and not slow"
+	$(PY) tests/sim_table.py
+	$(PY) -m pytest -q -m slow tests/test_sim_w2.py
+
+# Everything: every pytest case (default, ci and slow) and the mutation table.
 test-all: $(VENV_STAMP)
 	$(PY) -m pytest -q
+	$(PY) tests/sim_table.py
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/bench.py

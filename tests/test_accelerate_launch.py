@@ -13,6 +13,11 @@ one launch checks several things; the launches are module fixtures shared by the
 * ``combo_run``: HYBRID_SHARD (FLATSHARD_GROUP_SIZE=1), activation checkpointing, forward prefetch,
   BACKWARD_POST, cpu_ram_efficient_loading from a local ``save_pretrained`` dir, ``prepare`` in reversed
   order, ``sync_each_batch``, automatic checkpoint naming with ``total_limit``.
+* ``offload_run`` (marked ``ci``: CI runs it, ``make test`` does not; tests/test_trainer.py launches the
+  offload yaml in the default run): the README yaml with ``fsdp_offload_params: true``, then a new launch that
+  resumes from its checkpoints.
+
+The accelerate-DDP reference runs in the session's shared reference launch (launch_helpers.ddp_reference).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_helpers import (CPU_FSDP_YAML, PLAIN_SCRIPT, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff,
+from launch_helpers import (CPU_FSDP_YAML, PLAIN_SCRIPT, SCRIPTS, ddp_reference, fsdp_config, launch, max_abs_diff,
                             read_json)
 
 TOL = 1e-6  # loss / grad-norm agreement with DDP (fp32, same data, same reduction order up to fp rounding)
@@ -33,11 +38,12 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("accelerate_launch")
 
 
+plain_ddp = ddp_reference("plain_ddp", PLAIN_SCRIPT, lambda out: ["--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def ddp_ref(work):
-    out = work / "ddp.json"
-    launch(ddp_config(work), PLAIN_SCRIPT, ["--output_json", str(out)], ddp=True)
-    return read_json(out)
+def ddp_ref(plain_ddp):
+    return read_json(plain_ddp / "ddp.json")
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +177,7 @@ def offload_run(work):
     return read_json(out)
 
 
+@pytest.mark.ci
 def test_offload_yaml_trains_like_ddp_and_resumes_exactly(work, ddp_ref, offload_run):
     """fsdp_offload_params: true is accepted on a CPU-only host (not refused), shards, and trains like DDP;
     a new launch with the same yaml loads its step-4 FULL and SHARDED checkpoints and reproduces steps 5-8."""

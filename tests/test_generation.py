@@ -7,21 +7,23 @@ summon), then trains two steps; every token and loss must equal DDP's.
 import pytest
 import torch
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, ddp_reference, fsdp_config, launch, max_abs_diff, read_json
 
 MODES = ("full", "budget", "auto", "per_unit", "summon_wb0", "summon_wb1", "summon_bf16", "after_training")
 
 
+gen_parity_ddp = ddp_reference("gen_parity_ddp", SCRIPTS / "gen_parity.py", lambda out: ["--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def parity(tmp_path_factory, gen_parity_ddp):
     tmp = tmp_path_factory.mktemp("gen")
     script = SCRIPTS / "gen_parity.py"
-    launch(ddp_config(tmp), script, ["--output_json", str(tmp / "ddp.json")], ddp=True)
     # the README yaml without forward prefetch: per-unit generation then holds one unit at a time, so the
     # units the budget mode keeps show in its measured peak (test_budget_mode_stays_within_its_budget)
     yaml = fsdp_config(tmp, "no_forward_prefetch.yaml", fsdp_forward_prefetch=False)
     launch(yaml, script, ["--output_json", str(tmp / "fs.json")], via_run=True)
-    return read_json(tmp / "ddp.json"), read_json(tmp / "fs.json")
+    return read_json(gen_parity_ddp / "ddp.json"), read_json(tmp / "fs.json")
 
 
 @pytest.mark.parametrize("mode", MODES)

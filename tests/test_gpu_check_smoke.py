@@ -1,10 +1,15 @@
 """benchmarks/gpu_check.sh, the one command a lent GPU runs, runs here on the CPU so it cannot rot between the
 tasks that are lent a GPU: the script itself (parts, timeouts, budget, summary) and every part's code path at
-tiny size (GPU_CHECK_DEVICE=cpu: gloo and torch's fake process group instead of NCCL)."""
+tiny size (GPU_CHECK_DEVICE=cpu: gloo and torch's fake process group instead of NCCL).
+
+The CPU smoke run (~80 s: one process per part) is marked ``ci``: CI runs it, ``make test`` does not; each
+part's code is the package's, which the default suite tests directly."""
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_GPU_PARTS = ("nccl-1gpu", "w1", "compile", "leak", "planner", "offload-w1", "fake-w8", "offload-fake-w8")  # run order
@@ -20,6 +25,7 @@ def _summary(tmp_path):
     return {line.split()[0]: line.split(None, 1)[1] for line in (tmp_path / "out" / "summary.txt").read_text().splitlines()}
 
 
+@pytest.mark.ci
 def test_gpu_check_sh_cpu_smoke_passes(tmp_path):
     proc = _run_script(tmp_path, GPU_CHECK_DEVICE="cpu", PYTHON=sys.executable)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

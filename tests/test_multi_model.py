@@ -11,7 +11,7 @@ import torch
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.integrations.accelerate import clip_grad_norm_over_models
 from dist_helpers import spawn
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch, max_abs_diff, read_json
 from models import batches, global_mean, llama
 
 TOL = 1e-6
@@ -100,16 +100,18 @@ def test_a_failed_backward_of_one_model_blocks_only_its_own_optimizer():
     assert "did not complete" in a_step
 
 
+# DDP refuses a model without trainable parameters: its reference is prepared with evaluation_mode
+two_model_ddp = ddp_reference("two_model_ddp", SCRIPTS / "two_model_train.py", lambda out: [
+    "--prepare_reference", "evaluation_mode", "--output_dir", out / "ddp", "--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def two_model_runs(tmp_path_factory):
+def two_model_runs(tmp_path_factory, two_model_ddp):
     tmp = tmp_path_factory.mktemp("two_models")
     script = SCRIPTS / "two_model_train.py"
-    # DDP refuses a model without trainable parameters: its reference is prepared with evaluation_mode
-    launch(ddp_config(tmp), script, ["--prepare_reference", "evaluation_mode", "--output_dir", str(tmp / "ddp"),
-                                     "--output_json", str(tmp / "ddp.json")], ddp=True)
     launch(CPU_FSDP_YAML, script, ["--prepare_reference", "together", "--output_dir", str(tmp / "fs"),
                                    "--output_json", str(tmp / "fs.json")], via_run=True)
-    return read_json(tmp / "ddp.json"), read_json(tmp / "fs.json")
+    return read_json(two_model_ddp / "ddp.json"), read_json(tmp / "fs.json")
 
 
 def test_policy_and_frozen_reference_prepared_together_train_like_ddp(two_model_runs):

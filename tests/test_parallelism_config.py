@@ -6,7 +6,8 @@ Default suite (cheap):
   block and for the ``--parallelism_config_*`` flags, and ``Accelerator(parallelism_config=...)``, for
   fsdp_version 1 and 2: tensor / context parallelism stop at ``Accelerator()`` with the named error; the
   sizes become shard groups; contradicting settings are named.
-* one real launch with ``parallelism_config_tp_size: 2`` in the yaml: it fails within seconds, naming it.
+* (marked ``ci``: CI runs it, ``make test`` does not) one real launch with ``parallelism_config_tp_size: 2``
+  in the yaml: it fails within seconds, naming it (the refusal itself is the in-process case above).
 * 4 spawned gloo ranks, five Accelerators in turn: 2 x 2 (FSDP2 keys, sizes in code) has the groups of
   HYBRID_SHARD with FLATSHARD_GROUP_SIZE=2 (fsdp_version 1) and of accelerate's mesh; accelerate reports the
   layout (``parallelism_config``, ``torch_device_mesh``; the data split is DDP's); a plain loop with
@@ -159,6 +160,7 @@ def test_contradicting_layouts_are_named(clean_env):
     assert (zero2.fsdp_group_size, zero2.reshard_after_forward) == (2, False)
 
 
+@pytest.mark.ci
 def test_tp_in_the_yaml_stops_a_real_launch_within_seconds(tmp_path):
     config = _yaml_with(tmp_path, FSDP2_YAML, dp_shard=1, tp=2)
     start = time.perf_counter()

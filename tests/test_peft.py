@@ -4,7 +4,7 @@ a plain accelerate loop and ``transformers.Trainer``.  The saved adapter loads w
 import pytest
 import torch
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, ddp_reference, fsdp_config, launch, max_abs_diff, read_json
 
 LOSS_TOL = 1e-5
 
@@ -38,10 +38,18 @@ def _assert_adapters_equal(ddp_dir, ours_dir):
         assert (our_model(x).logits - ddp_model(x).logits).abs().max().item() < 1e-4
 
 
+peft_plain_ddp = ddp_reference("peft_plain_ddp", SCRIPTS / "peft_plain.py",
+                               lambda out: ["--output_dir", out / "ddp", "--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory):
+def plain_runs(tmp_path_factory, peft_plain_ddp):
+    """``({"ddp": dir, "fs": dir}, ddp results, our results)``."""
     tmp = tmp_path_factory.mktemp("peft_plain")
-    return tmp, *_run_both(tmp, SCRIPTS / "peft_plain.py", CPU_FSDP_YAML)
+    launch(CPU_FSDP_YAML, SCRIPTS / "peft_plain.py", ["--output_dir", str(tmp / "fs"), "--output_json", str(tmp / "fs.json")],
+           via_run=True)
+    dirs = {"ddp": peft_plain_ddp / "ddp", "fs": tmp / "fs"}
+    return dirs, read_json(peft_plain_ddp / "ddp.json"), read_json(tmp / "fs.json")
 
 
 def test_lora_plain_loop_follows_ddp_and_is_sharded(plain_runs):
@@ -53,15 +61,15 @@ def test_lora_plain_loop_follows_ddp_and_is_sharded(plain_runs):
 
 
 def test_lora_plain_loop_saved_adapter_loads_and_equals_ddps(plain_runs):
-    tmp, _, _ = plain_runs
-    _assert_adapters_equal(tmp / "ddp", tmp / "fs")
+    dirs, _, _ = plain_runs
+    _assert_adapters_equal(dirs["ddp"], dirs["fs"])
 
 
 def test_lora_adapter_saved_without_state_dict_on_every_rank_equals_ddps(plain_runs):
     """``unwrap_model(model).save_pretrained(dir, is_main_process=...)`` (no ``state_dict=``): PEFT asks the
     unwrapped model for its state dict, which is gathered collectively, so the adapter is complete."""
-    tmp, _, _ = plain_runs
-    _assert_adapters_equal(tmp / "ddp" / "no_state_dict", tmp / "fs" / "no_state_dict")
+    dirs, _, _ = plain_runs
+    _assert_adapters_equal(dirs["ddp"] / "no_state_dict", dirs["fs"] / "no_state_dict")
 
 
 @pytest.mark.slow

@@ -1,37 +1,32 @@
 """The prepared model's ``state_dict()`` is the full state dict (torch FSDP's default), its
 ``load_state_dict`` takes a full dict and reshards; this rank's slices are ``local_state_dict()``.
 
-One DDP and one accel_flatshard launch of the same plain accelerate script (``scripts/prepared_state_dict.py``,
-cpu_2proc.yaml through ``-m accel_flatshard.run``) run side by side.  DDP's prepared model prefixes its keys
+One DDP (in the session's shared reference launch) and one accel_flatshard launch of the same plain
+accelerate script (``scripts/prepared_state_dict.py``, cpu_2proc.yaml through ``-m accel_flatshard.run``).  DDP's prepared model prefixes its keys
 with ``module.``; torch FSDP's full state dict (and ours) has the plain model's keys.
 """
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from dist_helpers import spawn
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch
 from models import gpt2
 
 SCRIPT = SCRIPTS / "prepared_state_dict.py"
 TOL = 1e-5
 
 
+prepared_state_dict_ddp = ddp_reference("prepared_state_dict_ddp", SCRIPT, lambda out: ["--output_dir", out])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("prepared_state_dict")
-    ddp, ours = work / "ddp", work / "flatshard"
-    ddp.mkdir()
-    ours.mkdir()
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(launch, ddp_config(ddp), SCRIPT, ["--output_dir", str(ddp)], ddp=True),
-                pool.submit(launch, CPU_FSDP_YAML, SCRIPT, ["--output_dir", str(ours)], via_run=True)]
-        for job in jobs:
-            job.result()
+def runs(tmp_path_factory, prepared_state_dict_ddp):
+    ddp, ours = prepared_state_dict_ddp, tmp_path_factory.mktemp("prepared_state_dict")
+    launch(CPU_FSDP_YAML, SCRIPT, ["--output_dir", str(ours)], via_run=True)
     return {name: (d, json.loads((d / "results.json").read_text())) for name, d in (("ddp", ddp), ("flatshard", ours))}
 
 

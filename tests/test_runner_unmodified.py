@@ -7,6 +7,10 @@ accel_flatshard.run`` (the README yaml, 2 CPU processes, gloo):
 * a user's ``nn.Module`` without ``_no_split_modules`` (blocks in an ``nn.ModuleList``) under
   TRANSFORMER_BASED_WRAP with no class list: the repeated blocks become units (logged), losses equal DDP's,
   each rank holds about 1/W of the parameters.
+
+The merge-weights launch is marked ``ci`` (CI runs it, ``make test`` does not): the save and merge paths it
+takes are the ones tests/test_trainer.py's ``accelerate merge-weights`` check and tests/test_accelerate_launch.py
+reach in the default run.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 import accelerate
 import pytest
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch, max_abs_diff, read_json
 
 MERGE_WEIGHTS_SCRIPT = Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_merge_weights.py"
 
@@ -27,6 +31,7 @@ def merge_weights_run(tmp_path_factory):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.ci
 def test_merge_weights_script_builds_its_plugin_trains_saves_and_merges(merge_weights_run):
     _, output = merge_weights_run
     # (a) FullyShardedDataParallelPlugin(...) in user code no longer raises on a CPU host
@@ -36,18 +41,22 @@ def test_merge_weights_script_builds_its_plugin_trains_saves_and_merges(merge_we
     assert "Successfully merged FSDP weights and saved to test_merge_weights_fsdp_weights/model.safetensors" in output
 
 
+@pytest.mark.ci
 def test_accelerates_own_merge_weights_script_passes_unmodified(merge_weights_run):
     returncode, output = merge_weights_run
     assert returncode == 0, output[-6000:]
 
 
+custom_blocks_ddp = ddp_reference("custom_blocks_ddp", SCRIPTS / "custom_blocks_train.py",
+                                  lambda out: ["--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def custom_runs(tmp_path_factory):
+def custom_runs(tmp_path_factory, custom_blocks_ddp):
     work = tmp_path_factory.mktemp("custom_blocks")
-    script = SCRIPTS / "custom_blocks_train.py"
-    launch(ddp_config(work), script, ["--output_json", str(work / "ddp.json")], ddp=True)
-    proc = launch(CPU_FSDP_YAML, script, ["--output_json", str(work / "fsdp.json")], via_run=True)
-    return read_json(work / "ddp.json"), read_json(work / "fsdp.json"), proc.stdout + proc.stderr
+    proc = launch(CPU_FSDP_YAML, SCRIPTS / "custom_blocks_train.py", ["--output_json", str(work / "fsdp.json")],
+                  via_run=True)
+    return read_json(custom_blocks_ddp / "ddp.json"), read_json(work / "fsdp.json"), proc.stdout + proc.stderr
 
 
 def test_custom_module_without_no_split_modules_trains_like_ddp(custom_runs):

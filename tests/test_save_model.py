@@ -2,8 +2,8 @@
 
 Reference: the same unmodified script (``tests/scripts/run_clm_no_trainer.py``, a copy of Hugging Face's
 ``run_clm_no_trainer.py`` with its save tail) under accelerate's DDP.  One DDP and one accel_flatshard
-launch (``-m accel_flatshard.run``, cpu_2proc.yaml, SHARDED_STATE_DICT) run side by side, shared by the
-launch tests below; each also writes ``accelerator.save_model``, ``torch.save(unwrap_model(model)
+launch (``-m accel_flatshard.run``, cpu_2proc.yaml, SHARDED_STATE_DICT; the DDP one in the session's shared
+reference launch) are shared by the launch tests below; each also writes ``accelerator.save_model``, ``torch.save(unwrap_model(model)
 .state_dict())`` and ``save_pretrained(state_dict=accelerator.get_state_dict(model))`` output, and
 times a ``save_pretrained`` called on the main process only.  The spawn tests check the state-dict
 contract directly and the ``push_to_hub`` path (upload mocked: no network).
@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from safetensors.torch import load_file
 
 from dist_helpers import spawn
 from accel_flatshard.cli import main as cli_main
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, launch
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch
 from models import gpt2, llama
 
 HF_SCRIPT = SCRIPTS / "run_clm_no_trainer.py"
@@ -38,19 +37,16 @@ def _script_args(out: Path) -> list:
             "--results_json", str(out / "results.json")]
 
 
+hf_script_ddp = ddp_reference("hf_script_ddp", HF_SCRIPT, _script_args)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``{"ddp": dir, "flatshard": dir}``: both launches of the HF-style script, run concurrently."""
-    work = tmp_path_factory.mktemp("save_model")
-    ddp, ours = work / "ddp", work / "flatshard"
-    ddp.mkdir()
+def runs(tmp_path_factory, hf_script_ddp):
+    """``{"ddp": dir, "flatshard": dir}``: the two runs of the HF-style script."""
+    ours = tmp_path_factory.mktemp("save_model") / "flatshard"
     ours.mkdir()
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(launch, ddp_config(ddp), HF_SCRIPT, _script_args(ddp), ddp=True),
-                pool.submit(launch, CPU_FSDP_YAML, HF_SCRIPT, _script_args(ours), via_run=True)]
-        for job in jobs:
-            job.result()
-    return {"ddp": ddp, "flatshard": ours}
+    launch(CPU_FSDP_YAML, HF_SCRIPT, _script_args(ours), via_run=True)
+    return {"ddp": hf_script_ddp, "flatshard": ours}
 
 
 def _results(run: Path) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_helpers import ACCELERATE, CPU_FSDP_YAML, REPO, SCRIPTS, ddp_config, launch, read_json
+from launch_helpers import ACCELERATE, CPU_FSDP_YAML, REPO, SCRIPTS, ddp_config, ddp_reference, launch, read_json
 
 TRAINER_SCRIPT = SCRIPTS / "trainer_causal_lm.py"
 FSDP1_YAML = REPO / "accelerate_configs" / "cpu_2proc_fsdp1.yaml"  # what `accelerate config` writes (FULL)
@@ -72,11 +72,18 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("trainer")
 
 
+trainer_ddp = ddp_reference("trainer_ddp", TRAINER_SCRIPT, lambda out: [
+    "--output_dir", out / "run", "--output_json", out / "result.json", "--steps", STEPS, "--save_steps", SAVE_AT,
+    "--final_dir", out / "final"])
+
+
 @pytest.fixture(scope="module")
-def ddp_run(work) -> dict:
-    """accelerate's DDP on CPU: the same script, checkpoint at step 4 (model.safetensors), final save."""
-    out = work / "ddp"
-    return _train(ddp_config(work), out, "--save_steps", str(SAVE_AT), "--final_dir", str(out / "final"), ddp=True)
+def ddp_run(trainer_ddp) -> dict:
+    """accelerate's DDP on CPU: the same script, checkpoint at step 4 (model.safetensors), final save (in the
+    session's shared reference launch)."""
+    result = read_json(trainer_ddp / "result.json")
+    result["dir"] = trainer_ddp
+    return result
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ over both processes.
 """
 import pytest
 
-from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, fsdp_config, launch, max_abs_diff, read_json
+from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_config, ddp_reference, fsdp_config, launch, max_abs_diff, read_json
 
 LOSS_TOL = 1e-5
 WEIGHT_TOL = 1e-4
@@ -20,11 +20,18 @@ def _run_both(tmp, script, *args):
     return read_json(tmp / "ddp.json"), read_json(tmp / "fs.json")
 
 
+SFT_ARGS = ("--model", "llama", "--save_final")
+sft_ddp = ddp_reference("sft_ddp", SCRIPTS / "trl_sft.py",
+                        lambda out: [*SFT_ARGS, "--output_dir", out / "ddp", "--output_json", out / "ddp.json"])
+
+
 @pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
+def sft_runs(tmp_path_factory, sft_ddp):
+    """``({"ddp": dir, "fs": dir}, ddp results, our results)``."""
     tmp = tmp_path_factory.mktemp("sft")
-    ddp, ours = _run_both(tmp, SCRIPTS / "trl_sft.py", "--model", "llama", "--save_final")
-    return tmp, ddp, ours
+    launch(CPU_FSDP_YAML, SCRIPTS / "trl_sft.py",
+           [*SFT_ARGS, "--output_dir", str(tmp / "fs"), "--output_json", str(tmp / "fs.json")], via_run=True)
+    return {"ddp": sft_ddp / "ddp", "fs": tmp / "fs"}, read_json(sft_ddp / "ddp.json"), read_json(tmp / "fs.json")
 
 
 def _load_final(directory):
@@ -46,8 +53,8 @@ def test_sft_trainer_model_is_sharded(sft_runs):
 
 
 def test_sft_final_save_loads_with_from_pretrained_and_equals_ddps(sft_runs):
-    tmp, _, _ = sft_runs
-    ddp_state, our_state = _load_final(tmp / "ddp" / "final"), _load_final(tmp / "fs" / "final")
+    dirs, _, _ = sft_runs
+    ddp_state, our_state = _load_final(dirs["ddp"] / "final"), _load_final(dirs["fs"] / "final")
     assert sorted(our_state) == sorted(ddp_state)
     assert all(our_state[k].shape == ddp_state[k].shape for k in ddp_state)
     assert max((our_state[k] - ddp_state[k]).abs().max().item() for k in ddp_state) < WEIGHT_TOL
