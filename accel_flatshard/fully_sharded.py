@@ -104,7 +104,8 @@ class FullyShardedDataParallel(nn.Module):
         self.shard_group.bind_device(device)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
-        start_from_env(self.shard_group.world_rank)  # FLATSHARD_PROFILE: one torch.profiler per process
+        if options.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
+            start_from_env(self.shard_group.world_rank)
         engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, offload=wants_offload(cpu_offload))
         self._schedule = Schedule(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
@@ -130,7 +131,7 @@ class FullyShardedDataParallel(nn.Module):
             unit_module.__dict__[_UNIT_ATTR] = unit
             self._schedule.add_unit(unit)
         self._sync_buffers(sync_module_states)
-        model_state.install(self, lambda what: self.ensure_idle(what))  # state_dict() gathers (collective)
+        model_state.install(self, self._schedule.units, self._schedule.ensure_idle)  # state_dict() gathers (collective)
         if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
             module.__dict__["generate"] = types.MethodType(generation.generate_in_session, module)
         if options.get("FLATSHARD_KEEP_FROZEN_GATHERED"):

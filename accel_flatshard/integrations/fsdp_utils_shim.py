@@ -44,7 +44,7 @@ from .. import comm
 from ..checkpoint.atomic import write_atomic
 from ..checkpoint.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
 from ..fully_sharded import FullyShardedDataParallel
-from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict
+from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
 from ..state_dict.optim import full_optim_state_dict, load_full_optim_state_dict
 
 __all__ = ["save_state", "load_state", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
@@ -217,7 +217,7 @@ def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., 
     owners = []
     for index, opt in enumerate(acc._optimizers):
         params = {id(p) for g in plain_optimizer(opt).param_groups for p in g["params"]}
-        mine = [m for m in models if any(id(p) in params for p in m.parameters())]
+        mine = [m for m in models if any(id(p) in params for p in record_of(m).module.parameters())]
         if len(mine) != 1:
             raise ValueError(
                 f"optimizer {index} updates parameters of {len(mine)} prepared models "

@@ -87,11 +87,12 @@ class ShardedModuleRecord:
     """The wrapper of a sharded module (the module's parameters stay shards as long as it lives, so the wrapper
     that can gather them must live as long), its ``ensure_idle``, the gloo rendezvous group, the slices depth."""
 
-    def __init__(self, wrapper: nn.Module, ensure_idle: Callable[[str], None]) -> None:
+    def __init__(self, wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None]) -> None:
         self.wrapper = lambda: wrapper
+        self.module, self.units = wrapper.module, units  # what the state-dict and checkpoint code reads
         self.ensure_idle = ensure_idle  # handed down by the wrapper: refuse during forward/backward, drain
         self.local_depth = 0  # > 0 while a caller wants this rank's slices
-        group = wrapper.shard_group
+        self.group = group = wrapper.shard_group
         self.world_size, self.world_rank = group.world_size, group.world_rank
         # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
         # group and has no peers to wait for: no rendezvous there
@@ -110,10 +111,10 @@ class ShardedModuleRecord:
         return copy
 
 
-def install(wrapper: nn.Module, ensure_idle: Callable[[str], None]) -> None:
-    """Record ``wrapper`` on itself and its module and make the module's ``state_dict()`` the full one
-    (collective at wrap time: it creates a gloo group over the model's ranks)."""
-    record = ShardedModuleRecord(wrapper, ensure_idle)
+def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None]) -> None:
+    """Record ``wrapper`` (its module and ``units``) on itself and its module and make the module's ``state_dict()``
+    the full one (collective at wrap time: it creates a gloo group over the model's ranks)."""
+    record = ShardedModuleRecord(wrapper, units, ensure_idle)
     wrapper.__dict__[_ATTR] = record
     wrapper.module.__dict__[_ATTR] = record
     wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
@@ -199,9 +200,9 @@ class ModelIndex:
         if record is None or record.wrapper() is not model:
             raise TypeError(f"expected an accel_flatshard FullyShardedDataParallel model, got {type(model).__name__}")
         record.ensure_idle(what)
-        self.module: nn.Module = model.module
-        self.group = model.shard_group
-        self.flat_params = model.flat_params
+        self.module: nn.Module = record.module
+        self.group = record.group
+        self.flat_params = [flat for unit in record.units for flat in unit.flat_params]
         by_id = {id(p) for flat in self.flat_params for p in flat.params}
         names: Dict[int, List[str]] = {}
         self.param_of_key: Dict[str, str] = {}  # every state-dict key of a parameter -> canonical name
