@@ -51,3 +51,4 @@ flatshard = lambda ws: [str(w.message) for w in ws if "accel_flatshard: predicte
 if accelerator.is_main_process:
     Path(args.out).write_text(json.dumps({"peak_bytes": peaks, "warnings_first_forward": flatshard(caught[0]),
                                           "warnings_later": flatshard(caught[1]) + flatshard(caught[2])}))
+accelerator.end_training()  # destroy the process group before exit (gloo's threads otherwise may abort the exit)
