@@ -10,7 +10,6 @@ Calls :func:`accel_flatshard.integrations.accelerate.register` (so the script's
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import runpy
 import sys
@@ -35,25 +34,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     from .integrations.accelerate import register
 
     register()
-    if argv[0] == "-m":
-        sys.argv = [argv[1]] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
-        with _shutdown_process_group():
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return
-    sys.argv = list(argv)
-    # as `python script.py` does: the script's directory first on sys.path (sibling imports work)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    with _shutdown_process_group():
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-@contextlib.contextmanager
-def _shutdown_process_group():
-    """Destroy the process group when the script ends, normally or by an exception, so that no rank
-    exits with communicators (and gloo's threads) still open."""
     try:
-        yield
+        if argv[0] == "-m":
+            sys.argv = [argv[1]] + argv[2:]  # runpy puts the module's file name in sys.argv[0]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            # as `python script.py` does: the script's directory first on sys.path (sibling imports work)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     finally:
+        # however the script ends, no rank exits with communicators (and gloo's threads) still open
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

@@ -19,6 +19,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
+from accel_flatshard.options import check_environment  # noqa: E402
 from accel_flatshard.wrap import select_units  # noqa: E402
 
 # the launcher's yaml-key -> environment mapping for the keys used here (accelerate/utils/launch.py)
@@ -141,7 +142,7 @@ def test_unknown_fsdp_version_and_unknown_env(fsdp_env, monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("FLATSHARD_GRUOP_SIZE", "2")
     with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_GROUP_SIZE"):
-        cfg.check_env()
+        check_environment()
     # the Accelerator checks before touching any accelerate state
     from accel_flatshard.integrations.accelerate import Accelerator
 

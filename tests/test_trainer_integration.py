@@ -81,7 +81,7 @@ def test_fsdp2_offload_is_accepted_and_kept_when_the_plugin_becomes_fsdp1(clean_
 
 def test_fsdp2_options_that_cannot_be_honoured_name_the_key(clean_env):
     with pytest.raises(ValueError, match="fsdp_version 3"):
-        cfg.check_fsdp_version(3)
+        cfg.fsdp_version(SimpleNamespace(fsdp_version=3))
 
 
 def test_shipped_yamls_are_what_accelerate_config_writes(tmp_path):
@@ -154,10 +154,11 @@ def test_accelerate_fsdp_functions_replaced_where_looked_up(monkeypatch):
 
 def test_accelerates_file_names():
     """The names accelerate.utils.fsdp_utils writes for each state dict type and model / optimizer index."""
-    assert [fsdp_utils_shim.model_file_name(i) for i in (0, 1)] == ["pytorch_model_fsdp.bin", "pytorch_model_fsdp_1.bin"]
-    assert [fsdp_utils_shim.model_dir_name(i) for i in (0, 1)] == ["pytorch_model_fsdp_0", "pytorch_model_fsdp_1"]
-    assert [fsdp_utils_shim.optimizer_file_name(i) for i in (0, 1)] == ["optimizer.bin", "optimizer_1.bin"]
-    assert [fsdp_utils_shim.optimizer_dir_name(i) for i in (0, 1)] == ["optimizer_0", "optimizer_1"]
+    names = fsdp_utils_shim.accelerate_names
+    assert [names(fsdp_utils_shim.FSDP_MODEL_NAME, i) for i in (0, 1)] == [
+        ("pytorch_model_fsdp_0", "pytorch_model_fsdp.bin"), ("pytorch_model_fsdp_1", "pytorch_model_fsdp_1.bin")]
+    assert [names(fsdp_utils_shim.OPTIMIZER_NAME, i) for i in (0, 1)] == [
+        ("optimizer_0", "optimizer.bin"), ("optimizer_1", "optimizer_1.bin")]
 
 
 def test_backend_less_state_is_set_up_again_with_a_warning(clean_env):

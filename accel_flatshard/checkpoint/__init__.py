@@ -10,12 +10,6 @@
 
 The full (gathered) state dicts are in memory, not on disk: :mod:`accel_flatshard.state_dict`.  Its functions
 are importable from here too, as the README documents them.
-
-Example::
-
-    from accel_flatshard.checkpoint import save_sharded_model, save_sharded_optimizer
-    save_sharded_model(model, "ckpt/model")
-    save_sharded_optimizer(model, optimizer, "ckpt/optim")
 """
 from ..state_dict import (CheckpointError, UnsafeCheckpointError, full_optim_state_dict, full_state_dict,
                           load_full_optim_state_dict, load_full_state_dict, optim_state_dict_from_torch,

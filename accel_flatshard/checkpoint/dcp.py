@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import math
 import os
@@ -176,6 +177,10 @@ class FlatRange:
     start: int
     shape: Tuple[int, ...]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
     def chunks(self) -> List[Chunk]:
         return range_to_chunks(self.start, self.start + self.local.numel(), self.shape)
 
@@ -197,10 +202,6 @@ def _view(entry: Entry, chunk: Chunk) -> torch.Tensor:
     return entry.view(chunk) if isinstance(entry, FlatRange) else entry
 
 
-def _dtype(entry: Entry) -> torch.dtype:
-    return entry.local.dtype if isinstance(entry, FlatRange) else entry.dtype
-
-
 class FlatSavePlanner(SavePlanner):
     """Writes each :class:`FlatRange` as chunks of its true shape and each plain tensor once."""
 
@@ -216,7 +217,7 @@ class FlatSavePlanner(SavePlanner):
                 self._views[(key, chunk.offsets)] = (entry, chunk)
                 items.append(WriteItem(index=MetadataIndex(key, chunk.offsets), type=kind, tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)),
-                    properties=TensorProperties(dtype=_dtype(entry)), size=torch.Size(entry.shape))))
+                    properties=TensorProperties(dtype=entry.dtype), size=torch.Size(entry.shape))))
         return SavePlan(items)
 
     def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
@@ -474,24 +475,18 @@ def dcp_load(state_dict: Dict[str, Entry], directory: str, metadata: Metadata, p
                  no_dist=group is None)
 
 
-class _reraise_plainly:
+@contextlib.contextmanager
+def _reraise_plainly(what: str, directory: str) -> Iterator[None]:
     """Turn DCP's ``CheckpointException`` (a BaseException carrying every rank's error) into the first
     rank's own exception when it is ours, else a :class:`CheckpointError` that names the ranks."""
-
-    def __init__(self, what: str, directory: str) -> None:
-        self.what, self.directory = what, directory
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, CheckpointException):
-            return False
+    try:
+        yield
+    except CheckpointException as exc:
         failures = exc.failures
         first_rank = min(failures)
         inner = failures[first_rank][0] if isinstance(failures[first_rank], tuple) else failures[first_rank]
         if isinstance(inner, CheckpointError):
             raise type(inner)(str(inner)) from exc
         raise CheckpointError(
-            f"DCP {self.what} of {self.directory} failed on ranks {sorted(failures)}; rank {first_rank}: "
+            f"DCP {what} of {directory} failed on ranks {sorted(failures)}; rank {first_rank}: "
             f"{type(inner).__name__}: {inner}") from exc

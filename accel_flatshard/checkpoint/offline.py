@@ -71,8 +71,7 @@ def read_checkpoint_info(directory: str) -> Dict[str, Any]:
         "kind", "world_size", "shard_size", "model_class", "optimizer_class", "saved_at", "torch_version", "tensors",
         "param_groups")}}
     info["total_bytes"] = sum(_nbytes(desc) for desc in meta["tensors"].values())
-    info["file_bytes"] = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
-                             if os.path.isfile(os.path.join(directory, f)))
+    info["file_bytes"] = _size(directory)  # (a checkpoint directory holds files only)
     return info
 
 

@@ -2,31 +2,21 @@
 
 Use it with a standard accelerate yaml (``distributed_type: FSDP``, ``fsdp_config`` with
 ``fsdp_version: 1`` or ``2`` keys); it shards the model with :class:`FullyShardedDataParallel` where
-accelerate would use torch FSDP.  What differs from plain accelerate, and why:
+accelerate would use torch FSDP.  What differs from plain accelerate, and why (README "Use it with Accelerate"):
 
-* On a host without GPUs accelerate silently trains unsharded under an FSDP config (each process
-  alone).  Here the process group is gloo over all launched processes and the state is switched to
-  ``DistributedType.FSDP`` after accelerate set it up as MULTI_CPU (the only CPU type it knows).
-  :func:`register` makes that CPU state the default for the launched script (``TrainingArguments``
-  sets accelerate's state up before any Accelerator exists); W > 1 launched processes that would
-  still end up unsharded raise instead of training W independent copies.
-* An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1, so
-  accelerate and the Trainer take the FSDP1 code paths this class implements (``is_fsdp2`` is False).
-* The Trainer's checkpoints go through accelerate's free ``save_fsdp_model`` & co., replaced for
-  accel_flatshard models by :mod:`.fsdp_utils_shim`, whose ``save_state`` / ``load_state`` use the same functions.
-* ``prepare_model`` wraps with accel_flatshard.  The original ``nn.Parameter`` objects stay, so an
-  optimizer made before or after ``prepare`` keeps working; optimizer, dataloader and scheduler go
-  through accelerate's own preparation.  Every model is sharded, however many are prepared, and
-  ``evaluation_mode=True`` ones too (frozen reference models: no gradient memory).
-* TRL's ``prepare_fsdp`` (reference models), accelerate's ``extract_model_from_parallel`` (PEFT detection,
-  unwrapping) and the Trainer's ``get_parameter_names`` use / see through this wrapper (``trainer_trl_peft.py``).
-* ``clip_grad_norm_`` (one norm over several models too) / ``get_state_dict`` / ``unwrap_model`` / ``save_state``
-  / ``load_state`` know the sharded layout; ``backward``, ``accumulate`` (``model.no_sync()``),
-  ``gather_for_metrics`` are accelerate's own and work unchanged.
-* ``dynamo_backend`` compiles the sharded model (each unit's forward inside its hooks, or the whole model
-  with graph breaks at the hooks: ``compilation.py``) instead of being refused.
-* ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``: an inf/nan in any rank's gradient
-  shard skips the step on every rank (also on CPU, where accelerate would silently run fp32).
+* On a host without GPUs accelerate silently trains unsharded under an FSDP config.  Here the process group is
+  gloo over all launched processes and accelerate's MULTI_CPU state is switched to ``DistributedType.FSDP``;
+  :func:`register` makes that CPU state the default for the launched script (``TrainingArguments`` sets the
+  state up before any Accelerator exists); W > 1 processes that would still end up unsharded raise.
+* An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1 (``is_fsdp2``
+  is False), so accelerate and the Trainer take the FSDP1 code paths this class implements.
+* ``prepare_model`` wraps every model (``evaluation_mode=True`` ones too) with accel_flatshard; the original
+  ``nn.Parameter`` objects stay, so an optimizer made before or after ``prepare`` keeps working.
+* ``clip_grad_norm_`` (also over several models) / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` /
+  ``load_state`` know the sharded layout (checkpoints: :mod:`.fsdp_utils_shim`); ``dynamo_backend`` compiles
+  the sharded model (``compilation.py``); ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``, also
+  on CPU.  ``backward``, ``accumulate``, ``gather_for_metrics`` and the optimizer / dataloader / scheduler
+  preparation are accelerate's own; TRL, PEFT and the Trainer see through the wrapper (``trainer_trl_peft.py``).
 
 :func:`register` makes ``accelerate.Accelerator`` resolve to this class for code imported afterwards
 (``python -m accel_flatshard.run train.py`` calls it, so unmodified scripts work).
@@ -55,8 +45,8 @@ from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
 from . import fsdp_utils_shim
 from .versions import check_versions
-from .config import FlatShardOptions, build_plugin_without_device, check_env, check_fsdp_version
-from .config import fsdp_version_requested, launched_world_size, normalize_plugin_to_fsdp1, options_from_plugin
+from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, launched_world_size
+from .config import normalize_plugin_to_fsdp1, options_from_plugin
 from .config import requested_parallelism_config, use_cpu_state_for_fsdp_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
@@ -87,7 +77,7 @@ class Accelerator(_BaseAccelerator):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_env()
+        options.check_environment()
         bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
@@ -96,8 +86,12 @@ class Accelerator(_BaseAccelerator):
         if not wants_fsdp:
             super().__init__(**params)
             return
-        check_fsdp_version(fsdp_version_requested(plugin))
-        self._take_parallelism_config(params)
+        fsdp_version(plugin)  # an unsupported version fails here, before accelerate sets anything up
+        # accelerate's parallelism_config: tensor/context parallelism is refused; accelerate builds its mesh and
+        # checks the sizes (patched to accept this class, before super().__init__), dp_shard sets the shard groups
+        params["parallelism_config"] = self._flatshard_parallelism = requested_parallelism_config(params)
+        if self._flatshard_parallelism is not None:
+            patches.install()
         # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
         # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
         without_device = bool(params.get("cpu")) or options.env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
@@ -122,13 +116,6 @@ class Accelerator(_BaseAccelerator):
         patches.install()
 
     # ------------------------------------------------------------------ setup
-    def _take_parallelism_config(self, params: dict) -> None:
-        """accelerate's ``parallelism_config``: refused if it asks for tensor/context parallelism; else accelerate
-        builds its mesh and checks the sizes (patched to accept this class), and dp_shard sets the shard groups."""
-        params["parallelism_config"] = self._flatshard_parallelism = requested_parallelism_config(params)
-        if self._flatshard_parallelism is not None:
-            patches.install()  # before accelerate checks the config inside super().__init__
-
     def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
         """Turn accelerate's MULTI_CPU state into FSDP (what AcceleratorState does for GPU types)."""
         state = self.state
@@ -219,13 +206,12 @@ class Accelerator(_BaseAccelerator):
         (the current CUDA device with nccl, which accelerate set to this process's GPU), so the device
         never holds more than one unit unsharded.  Values of meta ranks arrive from rank 0.
         """
-        device = self.device
-        if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-            if not self._flatshard_options.sync_module_states:
-                raise ValueError(
-                    "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
-                    "fsdp_sync_module_states is false: nothing would fill them; set it to true"
-                )
+        device, tensors = self.device, list(model.parameters()) + list(model.buffers())
+        if any(t.is_meta for t in tensors) and not self._flatshard_options.sync_module_states:
+            raise ValueError(
+                "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
+                "fsdp_sync_module_states is false: nothing would fill them; set it to true"
+            )
         if self.state.mixed_precision != "no":
             low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
             if low:
@@ -237,10 +223,9 @@ class Accelerator(_BaseAccelerator):
                 for p in model.parameters():
                     if p.is_floating_point() and p.dtype != torch.float32:
                         p.data = p.data.float()
-        on = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
-        if any(d.type not in ("cpu", "meta") and d != device for d in on):
-            model.to(device)  # already whole on another accelerator: nothing to save by moving unit by unit
-        elif device.type == "cpu" and on - {torch.device("cpu")}:
+        on = {t.device for t in tensors if not t.is_meta}
+        # already whole on a device: nothing to save by moving unit by unit
+        if any(d.type not in ("cpu", "meta") and d != device for d in on) or (device.type == "cpu" and on - {device}):
             model.to(device)
 
     # ------------------------------------------------------------------ training-time calls
@@ -327,11 +312,9 @@ def available_bytes(device: torch.device) -> Optional[int]:
 def _reset_state_set_up_without_backend() -> None:
     """Undo a shared accelerate state that was set up without a backend although W > 1 processes run.
 
-    ``TrainingArguments`` (every Trainer / TRL stack) creates ``PartialState()`` before the Trainer's
-    Accelerator; on a host without CUDA and without ``ACCELERATE_USE_CPU`` accelerate then picks no
-    backend and records ``distributed_type NO``, and each process would train its own full copy.  The
-    state is a shared dict (``TrainingArguments.distributed_state`` sees the same one), so resetting it
-    here lets accelerate set it up again, on the CPU path, with gloo over all launched processes.
+    ``TrainingArguments`` creates ``PartialState()`` before the Trainer's Accelerator; on a host without CUDA and
+    without ``ACCELERATE_USE_CPU`` it records ``distributed_type NO`` (each process would train its own copy).
+    The state is a shared dict, so resetting it lets accelerate set it up again on the CPU path, with gloo.
     """
     if launched_world_size() <= 1:
         return
@@ -369,21 +352,14 @@ def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     for name, sub in model.named_modules():
-        where = f"its submodule {name!r} is" if name else "it is"
-        kind = None
-        if isinstance(sub, DistributedDataParallel):
-            kind = "torch DistributedDataParallel"
-        elif isinstance(sub, TorchFSDP):
-            kind = "torch FullyShardedDataParallel (FSDP1)"
-        elif type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard"):
-            kind = "torch fully_shard (FSDP2)"
-        elif isinstance(sub, FullyShardedDataParallel):
-            kind = "accel_flatshard (nested)"
+        kind = ("torch DistributedDataParallel" if isinstance(sub, DistributedDataParallel) else
+                "torch FullyShardedDataParallel (FSDP1)" if isinstance(sub, TorchFSDP) else
+                "torch fully_shard (FSDP2)" if type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard") else
+                "accel_flatshard (nested)" if isinstance(sub, FullyShardedDataParallel) else None)
         if kind:
-            raise ValueError(
-                f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
-                "model: accel_flatshard shards it itself under the FSDP config"
-            )
+            where = f"its submodule {name!r} is" if name else "it is"
+            raise ValueError(f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
+                             "model: accel_flatshard shards it itself under the FSDP config")
 
 
 def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

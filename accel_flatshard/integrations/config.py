@@ -28,37 +28,24 @@ from ..offload import CPUOffload
 from ..unit import BackwardPrefetch
 from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-_DTYPES = options.DTYPES
 
-# the FLATSHARD_* variables are declared and validated in accel_flatshard.options (unknown names are errors)
-check_env = options.check_environment
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+def _local_world_size(environ: Mapping[str, str]) -> Optional[int]:
     """LOCAL_WORLD_SIZE (set by the launcher) as a positive integer, or None."""
-    value = environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} must be a positive integer") from None
-    if number < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return number
+    value = environ.get("LOCAL_WORLD_SIZE") or None
+    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} must be a positive integer")
+    return None if value is None else int(value)
 
 
-def fsdp_version_requested(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> int:
+def fsdp_version(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> int:
+    """The ``fsdp_version`` the plugin (else ``FSDP_VERSION``) asks for; anything but 1 or 2 raises."""
     environ = os.environ if environ is None else environ
-    if plugin is not None and getattr(plugin, "fsdp_version", None) is not None:
-        return int(plugin.fsdp_version)
-    return int(environ.get("FSDP_VERSION", "1") or 1)
-
-
-def check_fsdp_version(version: int) -> None:
+    given = getattr(plugin, "fsdp_version", None)
+    version = int(given if given is not None else environ.get("FSDP_VERSION", "1") or 1)
     if version not in (1, 2):
         raise ValueError(f"the accelerate config asks for fsdp_version {version}; accelerate knows 1 and 2, and "
                          "accel_flatshard accepts both (set `fsdp_version: 1` or `2` in fsdp_config)")
+    return version
 
 
 @dataclass
@@ -143,8 +130,8 @@ def options_from_plugin(
     from .fsdp_utils_shim import state_dict_type_name  # what save_state writes: checked here, before training
 
     environ = os.environ if environ is None else environ
-    check_env(environ)
-    check_fsdp_version(fsdp_version_requested(plugin, environ))
+    options.check_environment(environ)
+    version = fsdp_version(plugin, environ)
     opts = FlatShardOptions()
 
     strategy = _sharding_strategy(plugin)
@@ -157,7 +144,7 @@ def options_from_plugin(
         group_size = None  # checked against the layout
     elif hybrid:
         # torch FSDP's HYBRID_SHARD shards inside a node and replicates across nodes: same default here
-        opts.fsdp_group_size = group_size or _env_int(environ, "LOCAL_WORLD_SIZE")
+        opts.fsdp_group_size = group_size or _local_world_size(environ)
     elif strategy == ShardingStrategy.NO_SHARD:
         opts.fsdp_group_size = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
         opts.reshard_after_forward = False
@@ -168,7 +155,7 @@ def options_from_plugin(
         )
 
     prefetch = getattr(plugin, "backward_prefetch", None)
-    if fsdp_version_requested(plugin, environ) == 2:
+    if version == 2:
         # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses
         # forward_prefetch); it always prefetches the next unit in backward: the same here.
         prefetch = TorchPrefetch.BACKWARD_PRE
@@ -287,12 +274,9 @@ def validating_flatshard_layout(original: Callable[[Any, Any], None]) -> Callabl
 
 
 def _sharding_strategy(plugin: Any) -> Any:
-    """torch's ``ShardingStrategy`` the plugin asks for, FSDP1 or FSDP2 style.
-
-    FSDP1: ``sharding_strategy`` (accelerate falls back to ``reshard_after_forward`` holding a strategy
-    name, which is what ``accelerate config`` writes).  FSDP2: ``reshard_after_forward`` is a bool:
-    true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (parameters kept from forward to backward, ZeRO-2).
-    """
+    """torch's ``ShardingStrategy`` the plugin asks for.  FSDP1: ``sharding_strategy``, else
+    ``reshard_after_forward`` holding a strategy name (what ``accelerate config`` writes); FSDP2:
+    ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2)."""
     from torch.distributed.fsdp import ShardingStrategy
 
     strategy = getattr(plugin, "sharding_strategy", None)
@@ -301,21 +285,16 @@ def _sharding_strategy(plugin: Any) -> Any:
     if isinstance(strategy, bool):
         return ShardingStrategy.FULL_SHARD if strategy else ShardingStrategy.SHARD_GRAD_OP
     if isinstance(strategy, str):
-        if strategy.isdigit():
-            return ShardingStrategy(int(strategy))
-        return ShardingStrategy[strategy.upper()]
+        return ShardingStrategy(int(strategy)) if strategy.isdigit() else ShardingStrategy[strategy.upper()]
     return strategy or ShardingStrategy.FULL_SHARD
 
 
 def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
     """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place.
 
-    After :func:`options_from_plugin` took what it asks for, nothing else reads the plugin to decide how
-    to shard; but accelerate and transformers branch on ``fsdp_version == 2`` (``accelerator.is_fsdp2``)
-    into torch-FSDP2-only code (``fully_shard``, DTensor state dicts, "model and optimizer in one
-    prepare call", FSDP2 grad scaler).  accel_flatshard implements the FSDP1 surface of those calls, so
-    the plugin says version 1 with the strategy that was asked for; everything else (state dict type,
-    wrap policy, mixed precision, activation checkpointing) means the same in both versions.
+    accelerate and transformers branch on ``accelerator.is_fsdp2`` into torch-FSDP2-only code (``fully_shard``,
+    DTensor state dicts, FSDP2 grad scaler); accel_flatshard implements the FSDP1 surface of those calls.  The
+    other fields (state dict type, wrap policy, mixed precision, checkpointing) mean the same in both versions.
     """
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
@@ -323,13 +302,10 @@ def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
 
     if getattr(plugin, "fsdp_version", 1) != 2:
         return
-    if options.fsdp_group_size == 1:
-        strategy = ShardingStrategy.NO_SHARD
-    else:
-        strategy = ShardingStrategy.FULL_SHARD if options.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    strategy = (ShardingStrategy.NO_SHARD if options.fsdp_group_size == 1 else
+                ShardingStrategy.FULL_SHARD if options.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP)
     plugin.fsdp_version = 1
-    plugin.sharding_strategy = strategy
-    plugin.reshard_after_forward = strategy
+    plugin.sharding_strategy = plugin.reshard_after_forward = strategy
     prefetch = options.backward_prefetch
     plugin.backward_prefetch = None if prefetch is None else TorchPrefetch[prefetch.name]
     plugin.forward_prefetch = options.forward_prefetch
@@ -343,11 +319,10 @@ def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, st
     policy = getattr(plugin, "mixed_precision_policy", None)
     param_dtype = reduce_dtype = buffer_dtype = None
     if policy is not None and not isinstance(policy, (str, dict)):
-        param_dtype = getattr(policy, "param_dtype", None)
-        reduce_dtype = getattr(policy, "reduce_dtype", None)
-        buffer_dtype = getattr(policy, "buffer_dtype", None)
+        param_dtype, reduce_dtype, buffer_dtype = (getattr(policy, f"{kind}_dtype", None)
+                                                   for kind in ("param", "reduce", "buffer"))
     elif mixed_precision in ("fp16", "bf16"):
-        param_dtype = reduce_dtype = buffer_dtype = _DTYPES[mixed_precision]
+        param_dtype = reduce_dtype = buffer_dtype = options.DTYPES[mixed_precision]
     elif mixed_precision not in ("no", None, "fp32"):
         raise ValueError(f"mixed_precision {mixed_precision!r} is not supported by accel_flatshard (no, bf16, fp16)")
     override = options.get("FLATSHARD_REDUCE_DTYPE", environ)
@@ -454,14 +429,9 @@ def launched_world_size() -> int:
 
 
 def use_cpu_state_for_fsdp_launch() -> None:
-    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default.
-
-    Code that sets up accelerate's state before any Accelerator exists (``TrainingArguments``, hence
-    every Trainer / TRL script) would otherwise get ``distributed_type NO`` and ``world_size`` 1 (no
-    backend without CUDA), and read those values before the Trainer builds its Accelerator.
-    ``ACCELERATE_USE_CPU`` is accelerate's own switch for this (gloo over all processes); this
-    Accelerator takes the same CPU path and then shards.
-    """
+    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default
+    (``ACCELERATE_USE_CPU``: gloo over all processes).  Else code that sets up accelerate's state before any
+    Accelerator exists (``TrainingArguments``) would get ``distributed_type NO`` and ``world_size`` 1."""
     if not options.env_flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
         return
     if launched_world_size() > 1:

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -70,23 +70,10 @@ def state_dict_type_name(plugin: Any) -> str:
     return name
 
 
-# ---------------------------------------------------------------------- accelerate's names
-def model_file_name(index: int) -> str:
-    """FULL_STATE_DICT model file, as ``accelerate.utils.fsdp_utils.save_fsdp_model`` names it."""
-    return f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
-
-
-def model_dir_name(index: int) -> str:
-    """SHARDED_STATE_DICT model directory (DCP)."""
-    return f"{FSDP_MODEL_NAME}_{index}"
-
-
-def optimizer_file_name(index: int) -> str:
-    return f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
-
-
-def optimizer_dir_name(index: int) -> str:
-    return f"{OPTIMIZER_NAME}_{index}"
+def accelerate_names(base: str, index: int) -> Tuple[str, str]:
+    """The SHARDED_STATE_DICT directory (DCP) and FULL_STATE_DICT file of model / optimizer ``index``, as
+    ``accelerate.utils.fsdp_utils`` names them (``base``: ``FSDP_MODEL_NAME`` or ``OPTIMIZER_NAME``)."""
+    return f"{base}_{index}", f"{base}.bin" if index == 0 else f"{base}_{index}.bin"
 
 
 def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -103,9 +90,10 @@ def _check_use_dcp(use_dcp: bool, what: str) -> None:
             "sharded checkpoints are always DCP directories that load at any world size; drop use_dcp=False")
 
 
-def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, dir_name: str, file_name: str, what: str,
+def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str], what: str,
           save_sharded: Callable[[str], None], gather_full: Callable[[], Dict[str, Any]]) -> None:
     """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``."""
+    dir_name, file_name = names
     os.makedirs(output_dir, exist_ok=True)
     if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
         path = os.path.join(output_dir, dir_name)
@@ -121,9 +109,10 @@ def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, dir_name: str, fi
     accelerator.wait_for_everyone()
 
 
-def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, dir_name: str, file_name: str, what: str,
+def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, str], what: str,
           load_sharded: Callable[[str], None], load_full: Callable[[Optional[Dict[str, Any]]], None]) -> None:
     """Collective: the layout on disk decides (rank 0 looks); a full file is read by rank 0 and broadcast."""
+    dir_name, file_name = names
     state_dict_type_name(fsdp_plugin)
     accelerator.wait_for_everyone()
     directory = os.fspath(input_dir).rstrip(os.sep)
@@ -156,7 +145,7 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_model")
-    _save(fsdp_plugin, accelerator, output_dir, model_dir_name(model_index), model_file_name(model_index), "model",
+    _save(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped))
 
 
@@ -168,7 +157,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "load_fsdp_model")
-    _load(fsdp_plugin, accelerator, input_dir, model_dir_name(model_index), model_file_name(model_index), "model",
+    _load(fsdp_plugin, accelerator, input_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: load_sharded_model(wrapped, path), lambda state: load_full_state_dict(wrapped, state))
     return LoadResult([], [])
 
@@ -182,8 +171,8 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
-    _save(fsdp_plugin, accelerator, output_dir, optimizer_dir_name(optimizer_index), optimizer_file_name(optimizer_index),
-          "Optimizer state", lambda path: save_sharded_optimizer(wrapped, optimizer, path),
+    _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
+          lambda path: save_sharded_optimizer(wrapped, optimizer, path),
           lambda: full_optim_state_dict(wrapped, optimizer))
 
 
@@ -197,8 +186,8 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                                                  use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "load_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
-    _load(fsdp_plugin, accelerator, input_dir, optimizer_dir_name(optimizer_index), optimizer_file_name(optimizer_index),
-          "optimizer state", lambda path: load_sharded_optimizer(wrapped, optimizer, path),
+    _load(fsdp_plugin, accelerator, input_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "optimizer state",
+          lambda path: load_sharded_optimizer(wrapped, optimizer, path),
           lambda state: load_full_optim_state_dict(wrapped, optimizer, state))
 
 

@@ -1,23 +1,15 @@
 """Make the libraries around accelerate (transformers' Trainer, PEFT, TRL) see through accel_flatshard's wrapper.
 
-Three functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up:
+Three functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (README
+"Library internals accel_flatshard replaces" says where and why):
 
-* ``accelerate.utils.extract_model_from_parallel`` unwraps DDP / DeepSpeed / torch FSDP.  PEFT and TRL reach it
-  through ``accelerate.utils.is_peft_model``, ``Accelerator.unwrap_model`` and
-  ``transformers.modeling_utils.unwrap_model`` (so ``Trainer`` finds a PeftModel inside our wrapper, a DPO
-  trainer sees LoRA).
-* ``transformers.trainer_pt_utils.get_parameter_names``: under an FSDP config the Trainer builds its optimizer
-  from the *prepared* model and takes these names (it walks ``named_children``) as the weight-decay set, matched
-  against ``model.named_parameters()``.  The wrapper yields the plain names from ``named_parameters`` but its only
-  child is ``module``, so no name would match and every parameter would silently get no weight decay.
-
-  Both get :func:`seeing_through_wrapper`: take ``.module`` off every :class:`FullyShardedDataParallel`, then
-  call the original.
-* ``trl.models.utils.prepare_fsdp(model, accelerator)`` wraps TRL's reference / teacher models (DPO, KTO, GRPO,
-  RLOO, ...) in torch FSDP itself.  With an accelerator that shards with accel_flatshard,
-  :func:`sharding_reference_models` calls ``accelerator.prepare_model(model, evaluation_mode=True)`` instead: the
-  reference model is sharded like the policy, gathered unit by unit in its forward, holds no gradients.  Any
-  other accelerator gets TRL's function.
+* ``accelerate.utils.extract_model_from_parallel`` (how PEFT and TRL unwrap, e.g. ``Trainer`` finding a PeftModel)
+  and ``transformers.trainer_pt_utils.get_parameter_names`` (the Trainer's weight-decay names, which walk
+  ``named_children``: the wrapper's only child is ``module``) get :func:`seeing_through_wrapper`: the original
+  called with ``.module`` taken off every :class:`FullyShardedDataParallel`.
+* ``trl.models.utils.prepare_fsdp(model, accelerator)`` wraps TRL's reference / teacher models in torch FSDP;
+  :func:`sharding_reference_models` calls ``accelerator.prepare_model(model, evaluation_mode=True)`` instead when
+  the accelerator shards with accel_flatshard (sharded like the policy, no gradients); any other gets TRL's.
 """
 from __future__ import annotations
 

@@ -31,18 +31,8 @@ _REQUIRED = ("torch", "accelerate")
 
 def _release(version: str) -> Tuple[int, ...]:
     """(major, minor, patch) of a version string ("2.13.0+cpu" -> (2, 13, 0)); pre-release tags ignored."""
-    parts = []
-    for piece in version.split("+", 1)[0].split(".")[:3]:
-        match = re.match(r"\d+", piece)
-        if match is None:
-            break
-        parts.append(int(match.group()))
-    return tuple(parts)
-
-
-def _above(version: Tuple[int, ...], newest: Tuple[int, ...]) -> bool:
-    """Whether ``version`` is newer than ``newest`` compared on ``newest``'s precision (1.15.3 is within 1.15)."""
-    return version[: len(newest)] > newest
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    return tuple(int(part) for part in match.groups() if part is not None) if match else ()
 
 
 def window_text() -> str:
@@ -70,7 +60,7 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> List
         if _release(version) < _release(low):
             problems.append(f"{name} {version} is older than the oldest supported {low}: "
                             f"pip install -U '{name}>={low}'")
-        elif _above(_release(version), _release(high)):
+        elif _release(version)[: len(_release(high))] > _release(high):  # on high's precision: 1.15.3 is within 1.15
             message = (f"accel_flatshard: {name} {version} is newer than the newest tested {high}.x; it is "
                        f"untested (the patched library internals may have moved). If anything fails, "
                        f"pip install '{name}<={high}.99' and report it.")

@@ -21,12 +21,8 @@ torch FSDP's default ``FULL_STATE_DICT`` with ``rank0_only=True, offload_to_cpu=
 nothing behind); :func:`find_wrapper` is the package's one wrapped-model detection.  :class:`ModelIndex` maps
 every state-dict key to its flat parameter, slot and this rank's piece.
 
-Example::
+Example (the full dicts: :func:`load_full_state_dict`'s docstring)::
 
-    sd = full_state_dict(model)                 # rank 0: the plain model's dict on CPU; other ranks: {}
-    if rank == 0:
-        plain.load_state_dict(sd)
-    load_full_state_dict(model, sd if rank == 0 else None)   # rank 0's dict is broadcast per tensor
     index = ModelIndex(model, "my check")
     index.params["lm_head.weight"].aliases                   # ("transformer.wte.weight", "lm_head.weight")
 """

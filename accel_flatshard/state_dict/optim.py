@@ -15,14 +15,8 @@ takes.  Format of a full optimizer state dict (what :func:`full_optim_state_dict
 Names are canonical parameter names (the first name a tied parameter is registered under, as in
 ``named_parameters()``); per-element state has the parameter's full shape.  It does not depend on the world
 size: :func:`load_full_optim_state_dict` loads it at any world size, and :func:`optim_state_dict_to_torch` /
-:func:`optim_state_dict_from_torch` convert to / from a plain torch optimizer's ``state_dict()``.
-
-Example::
-
-    osd = full_optim_state_dict(model, optimizer)              # rank 0: the dict; others: {}
-    if rank == 0:
-        plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
-    load_full_optim_state_dict(model, optimizer, osd if rank == 0 else None)
+:func:`optim_state_dict_from_torch` convert to / from a plain torch optimizer's ``state_dict()`` (each function's
+docstring has an example).
 """
 from __future__ import annotations
 
@@ -272,11 +266,6 @@ def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
 
 
 # ---------------------------------------------------------------------- torch's format
-def _names_by_id(model: nn.Module) -> Dict[int, str]:
-    """``id(parameter) -> canonical name`` of any module (first registration, like ``named_parameters``)."""
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module,
                               optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Convert a name-keyed full dict into ``optimizer.state_dict()`` format for a plain optimizer.
@@ -287,7 +276,7 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
 
         plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
     """
-    ids = _names_by_id(model)
+    ids = {id(p): n for n, p in model.named_parameters()}  # canonical names: a tied parameter's first
     names = []
     for g, group in enumerate(optimizer.param_groups):
         try:
@@ -310,7 +299,7 @@ def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
         osd = optim_state_dict_from_torch(plain_opt.state_dict(), plain_model, plain_opt)
         load_full_optim_state_dict(sharded_model, sharded_opt, osd)
     """
-    ids = _names_by_id(model)
+    ids = {id(p): n for n, p in model.named_parameters()}
     index_to_name: Dict[int, str] = {}
     groups = []
     for saved, group in zip(torch_osd["param_groups"], optimizer.param_groups):
