@@ -61,8 +61,6 @@ class ShardGroup:
         self,
         process_group: Optional[dist.ProcessGroup] = None,
         shard_size: Optional[int] = None,
-        reduce_scatter_via_all_reduce: Optional[bool] = None,
-        timeout: Optional[datetime.timedelta] = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -89,26 +87,17 @@ class ShardGroup:
                 raise ValueError("hybrid sharding (fsdp_group_size) needs the default process group")
             self.shard_size = shard_size
             self.shard_group = _subgroup_containing(
-                self.world_rank,
-                [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)],
-                timeout,
-            )
+                self.world_rank, [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)])
             self.replica_group = _subgroup_containing(
-                self.world_rank,
-                [list(range(i, self.world_size, shard_size)) for i in range(shard_size)],
-                timeout,
-            )
+                self.world_rank, [list(range(i, self.world_size, shard_size)) for i in range(shard_size)])
         self.shard_rank = dist.get_rank(self.shard_group)
-        # gloo's all_gather_single / reduce_scatter_single stage through temporaries and are slow on large
-        # tensors (152 MiB: all-gather 262 ms, reduce-scatter 165 ms, all-reduce 88 ms) while isend/irecv
-        # straight into / out of the slots takes 99 ms (benchmarks/comm_bench.py).  On gloo both run as
-        # point-to-point batches; FLATSHARD_GLOO_P2P=0 falls back to the collectives, and then
+        # gloo's all_gather_single / reduce_scatter_single stage through temporaries (152 MiB: 262 / 165 ms,
+        # all-reduce 88 ms; isend/irecv straight into / out of the slots 99 ms, benchmarks/comm_bench.py): on
+        # gloo both run as point-to-point batches; FLATSHARD_GLOO_P2P=0 falls back to the collectives, and then
         # FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE=1 reduces by all-reduce + slice.
         p2p = options.get("FLATSHARD_GLOO_P2P")
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
-        if reduce_scatter_via_all_reduce is None:
-            reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
-        self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce and not self.via_p2p
+        self.reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE") and not self.via_p2p
         self.bytes_gathered = 0  # counters for tests and the profiler
         self.bytes_reduced = 0
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
@@ -137,10 +126,7 @@ class ShardGroup:
             output.copy_(shard)
             return DONE
         if self.via_p2p:
-            work = self._all_gather_p2p(output, shard)
-            if not async_op:
-                work.wait()
-            return work
+            return _waited(self._all_gather_p2p(output, shard), async_op)
         work = _all_gather_flat(output, shard, group=self.shard_group, async_op=async_op)
         return work if async_op else DONE
 
@@ -170,8 +156,7 @@ class ShardGroup:
             ops.append(dist.P2POp(dist.irecv, received[i], group=self.shard_group, group_peer=peer, tag=2))
 
         def sum_into_output() -> None:
-            own = chunks[self.shard_rank]
-            parts = [own if r == self.shard_rank else received[peers.index(r)] for r in range(self.shard_size)]
+            parts = [chunks[r] if r == self.shard_rank else received[peers.index(r)] for r in range(self.shard_size)]
             output.copy_(parts[0])
             for part in parts[1:]:
                 output.add_(part)
@@ -189,10 +174,7 @@ class ShardGroup:
             output.copy_(full)
             return DONE
         if self.via_p2p:
-            work = self._reduce_scatter_p2p(output, full)
-            if not async_op:
-                work.wait()
-            return work
+            return _waited(self._reduce_scatter_p2p(output, full), async_op)
         if self.reduce_scatter_via_all_reduce:
             work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
         else:
@@ -216,8 +198,7 @@ class ShardGroup:
     def broadcast_from_rank0(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` equal to global rank 0's copy on every rank of the world group."""
         if self.world_size > 1:
-            src = dist.get_global_rank(self.world_group, 0) if self.world_group is not dist.group.WORLD else 0
-            dist.broadcast(tensor, src=src, group=self.world_group)
+            dist.broadcast(tensor, src=_global_rank0(self.world_group), group=self.world_group)
 
     def all_reduce_world(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
@@ -230,16 +211,19 @@ class ShardGroup:
         return tensor
 
 
-def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout=None) -> dist.ProcessGroup:
-    """Create one group per rank list (collectively, on every rank) and return the one holding ``rank``.
+def _waited(work: "_Works", async_op: bool) -> "_Works":
+    """A point-to-point batch, waited for when the call is synchronous."""
+    if not async_op:
+        work.wait()
+    return work
 
-    Every group gets a timeout (default: ``FLATSHARD_TIMEOUT_S`` seconds, else 30 minutes) so that a dead
-    peer makes the others raise instead of hanging forever.
-    """
-    if timeout is None:
-        timeout = datetime.timedelta(seconds=options.get("FLATSHARD_TIMEOUT_S"))
-    mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
-    return mine
+
+def _subgroup_containing(rank: int, rank_lists: List[List[int]]) -> dist.ProcessGroup:
+    """Create one group per rank list (collectively, on every rank) and return the one holding ``rank``.
+    Every group gets the timeout ``FLATSHARD_TIMEOUT_S`` (default 30 minutes) so that a dead peer makes
+    the others raise instead of hanging forever."""
+    timeout = datetime.timedelta(seconds=options.get("FLATSHARD_TIMEOUT_S"))
+    return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 
 
 # ---------------------------------------------------------------------- objects, agreement, rendezvous

@@ -25,10 +25,8 @@ exactly this code).  Its bookkeeping, the same on every device:
 * Hybrid sharding: the all-reduce across replicas runs on its own stream, chained to the reduce-scatter's
   event, so it does not serialise the next unit's reduce-scatter (CUDA); on gloo it starts once the
   reduce-scatter's result is on the host.
-* CPU offload (``offload.py``): the gather first copies the host shard to the device on the all-gather
-  stream; the reduced shard is post-divided and copied to a host buffer on the stream that wrote it last
-  (reduce-scatter, or replica under hybrid sharding), and dropped at once (same-stream reuse is ordered);
-  the host synchronises on those copies' events at the end of backward before it reads the buffers.
+* CPU offload: the copies of ``offload.py``'s steps, on the streams named there; a reduced shard's device copy
+  is dropped once its copy to the host is issued (same-stream reuse is ordered).
 """
 from __future__ import annotations
 
@@ -86,29 +84,16 @@ class HostAdapter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def compute_stream(self) -> None:
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def side_stream(self, role: str) -> None:
-        return None
+    # no streams and no events (None); nothing to order: the host waits on the collectives' work handles.
+    # note_alloc / note_free name buffer lifetimes for the tests' simulator only.
+    compute_stream = side_stream = record = _nothing
+    wait_stream = wait_event = synchronize = record_stream = note_alloc = note_free = _nothing
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def wait_stream(self, waiter: Any, producer: Any) -> None:
-        pass
-
-    def wait_event(self, waiter: Any, event: Any) -> None:
-        pass
-
-    def record(self, stream: Any) -> None:
-        return None
-
-    def synchronize(self, event: Any) -> None:
-        pass
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass
 
     def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
         """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
@@ -131,13 +116,6 @@ class HostAdapter:
         """Device -> host on the current stream; on CUDA the host may read ``out`` only after synchronising
         on an event recorded behind it."""
         out.copy_(src, non_blocking=self.stream_ordered)
-
-    # buffer lifetime names (used by the tests' simulator only)
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        pass
-
-    def note_free(self, key: Any) -> None:
-        pass
 
 
 class CudaStreams(HostAdapter):
@@ -191,11 +169,6 @@ class CudaStreams(HostAdapter):
             return _EventWait(self, self.record(stream))
 
 
-def streams_for(device: torch.device) -> Any:
-    """The adapter for a model on ``device`` (tests pass a simulated one through ``Engine(streams=...)``)."""
-    return CudaStreams(device) if device.type == "cuda" else HostAdapter(device)
-
-
 @dataclass
 class _PendingReduce:
     flat: FlatParameter
@@ -231,13 +204,14 @@ class Engine:
     ) -> None:
         self.group = group
         self.device = device
-        self.streams = streams if streams is not None else streams_for(device)
+        if streams is None:  # (the tests pass a simulated adapter)
+            streams = CudaStreams(device) if device.type == "cuda" else HostAdapter(device)
+        self.streams = streams
         self.use_streams = self.streams.stream_ordered
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max(1, max_inflight_all_gathers)
-        # Completing older reductions during backward frees their full-size gradients early (CPU,
-        # llama-40M: step peak 458 -> 356 MiB, and faster from fewer page faults; CUDA: peak gradient
-        # memory is N full gradients instead of DDP's all of them).
+        # Completing older reductions during backward frees their full gradients early (CPU, llama-40M: step
+        # peak 458 -> 356 MiB, fewer page faults; CUDA: N full gradients at the peak instead of DDP's all).
         self.max_pending_reductions = max(1, max_pending_reductions)
         self.predivide = float(gradient_predivide_factor(group.world_size))
         self.postdivide = group.world_size / self.predivide
@@ -269,7 +243,7 @@ class Engine:
             with s.on(self.all_gather_stream):
                 out = flat.alloc_unsharded()
                 s.note_alloc(out, "unsharded", flat)
-                source = self.offload.shard_on_device(flat) if self.offload else flat.local_shard
+                source = s.to_device(flat.local_shard) if self.offload else flat.local_shard  # offload: host shard
                 shard = source.to(flat.compute_dtype)
                 del source
             handle = s.collective(self.all_gather_stream,

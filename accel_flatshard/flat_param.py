@@ -78,26 +78,22 @@ class FlatParamLayout:
         self.world_size = world_size
         self.alignment = alignment
         slots: List[ParamSlot] = []
-        cursor = 0
-        for fqn, shape in zip(fqns, shapes):
-            shape = torch.Size(shape)
-            cursor = _round_up(cursor, alignment)
-            numel = math.prod(shape)
-            slots.append(ParamSlot(fqn, shape, numel, cursor))
-            cursor += numel
-        self.slots: Tuple[ParamSlot, ...] = tuple(slots)
-        self.unpadded_numel = cursor
         # One split of the flat buffer into [gap, p0, gap, p1, ..., tail]: taking every parameter's view
         # from a single split gives autograd one backward node that concatenates the gradients (O(N)),
         # instead of one full-size scatter per parameter.
         self.split_sizes: List[int] = []
         self.split_param_index: List[int] = []
         cursor = 0
-        for slot in self.slots:
-            self.split_sizes.append(slot.offset - cursor)
+        for fqn, shape in zip(fqns, shapes):
+            shape = torch.Size(shape)
+            offset, numel = _round_up(cursor, alignment), math.prod(shape)
+            slots.append(ParamSlot(fqn, shape, numel, offset))
+            self.split_sizes.append(offset - cursor)
             self.split_param_index.append(len(self.split_sizes))
-            self.split_sizes.append(slot.numel)
-            cursor = slot.offset + slot.numel
+            self.split_sizes.append(numel)
+            cursor = offset + numel
+        self.slots: Tuple[ParamSlot, ...] = tuple(slots)
+        self.unpadded_numel = cursor
         self.padded_numel = max(_round_up(cursor, world_size * alignment), world_size * alignment)
         self.shard_numel = self.padded_numel // world_size
         self.split_sizes.append(self.padded_numel - cursor)
@@ -114,10 +110,8 @@ class FlatParamLayout:
         return pieces
 
     def __repr__(self) -> str:
-        return (
-            f"FlatParamLayout({len(self.slots)} params, numel={self.unpadded_numel}, "
-            f"padded={self.padded_numel}, W={self.world_size}, shard={self.shard_numel})"
-        )
+        return (f"FlatParamLayout({len(self.slots)} params, numel={self.unpadded_numel}, "
+                f"padded={self.padded_numel}, W={self.world_size}, shard={self.shard_numel})")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -204,12 +198,9 @@ class FlatParameter:
         return [pieces[i].view(s.shape) for i, s in zip(self.layout.split_param_index, self.layout.slots)]
 
     def install_views(self, views: Sequence[torch.Tensor]) -> None:
-        """Make every user module's attribute resolve to the given view.
-
-        The view is written into the module's instance ``__dict__``: attribute lookup finds it before
-        ``nn.Module.__getattr__`` consults ``_parameters``, so the original Parameter stays registered
-        (names, order and ``named_parameters()`` are unchanged) while forward computes with the view.
-        """
+        """Make every user module's attribute resolve to the given view: written into the module's instance
+        ``__dict__``, it is found before ``nn.Module.__getattr__`` consults ``_parameters``, so the original
+        Parameter stays registered (names, order, ``named_parameters()``) while forward computes with the view."""
         for view, users in zip(views, self.users):
             for module, name in users:
                 module.__dict__[name] = view
@@ -279,10 +270,8 @@ class FlatParameter:
 
     def numel_bytes(self) -> int:
         """Bytes this rank holds for the shard and its gradient."""
-        n = self.local_shard.numel() * self.local_shard.element_size()
-        if self.sharded_grad is not None:
-            n += self.sharded_grad.numel() * self.sharded_grad.element_size()
-        return n
+        held = [self.local_shard] + ([self.sharded_grad] if self.sharded_grad is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:

@@ -208,10 +208,8 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally; the first backward outside reduces them all at once.
-
-        Costs one full-size gradient per unit in memory, saves one reduce-scatter per micro-step.
-        """
+        """Accumulate full gradients locally; the first backward outside reduces them all at once (costs one
+        full-size gradient per unit in memory, saves one reduce-scatter per micro-step)."""
         previous = self._schedule.sync_grads
         self._schedule.sync_grads = False
         try:
@@ -224,12 +222,10 @@ class FullyShardedDataParallel(nn.Module):
                            offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
         """Gather every parameter in full: inside, the model's parameters have their real shapes, so
         ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works; forwards
-        and ``generate()`` inside run the plain model, gathering nothing.
-
-        With ``writeback`` (default) changes made inside are kept; ``model.to(dtype)`` inside is undone on
-        exit.  ``recurse`` is accepted for torch FSDP's signature: the whole model is gathered either way
-        (units are not nested instances); torch's other arguments only at their defaults.  See
-        ``generation.py``.  Example::
+        and ``generate()`` inside run the plain model, gathering nothing.  With ``writeback`` (default)
+        changes made inside are kept; ``model.to(dtype)`` inside is undone on exit.  ``recurse`` is accepted
+        for torch FSDP's signature (the whole model is gathered either way); torch's other arguments only at
+        their defaults.  See ``generation.py``.  Example::
 
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
@@ -272,20 +268,16 @@ def wants_offload(cpu_offload: Any) -> bool:
         return bool(cpu_offload.offload_params)
     if type(cpu_offload).__name__ == "OffloadPolicy":
         return False
-    raise TypeError(
-        f"cpu_offload must be None, a bool, CPUOffload(offload_params=...) or CPUOffloadPolicy, got {cpu_offload!r}"
-    )
+    raise TypeError(f"cpu_offload must be None, a bool, CPUOffload(offload_params=...) or CPUOffloadPolicy, "
+                    f"got {cpu_offload!r}")
 
 
 # ---------------------------------------------------------------------- ownership
-def _assign_owners(
-    root: nn.Module, unit_modules: List[nn.Module]
-) -> Dict[int, List[Tuple[List[nn.Parameter], List[str], List[List[Tuple[nn.Module, str]]]]]]:
-    """For each unit, its flat-parameter groups: (params, fqns, users), one group per (dtype, requires_grad).
-
-    A parameter belongs to the innermost unit containing its module; a parameter registered by modules
-    of several units (tied weights) belongs to their lowest common ancestor unit.
-    """
+def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict[int, list], Dict[int, nn.Module]]:
+    """For each unit, its flat-parameter groups: (params, fqns, users), one group per (dtype, requires_grad); and
+    for each module the innermost unit module containing it.  A parameter belongs to the innermost unit
+    containing its module; one registered by modules of several units (tied weights) to their lowest common
+    ancestor unit."""
     unit_ids = {id(m) for m in unit_modules}
     innermost: Dict[int, nn.Module] = {}  # module id -> innermost unit module containing it
     unit_parent: Dict[int, Optional[nn.Module]] = {id(root): None}
@@ -311,20 +303,18 @@ def _assign_owners(
 
     users: Dict[int, List[Tuple[nn.Module, str]]] = {}
     first_name: Dict[int, str] = {}
-    order: List[nn.Parameter] = []
+    order: Dict[int, nn.Parameter] = {}  # first registration order
     for mod_name, module in root.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is None:
                 continue
-            if id(p) not in users:
-                users[id(p)] = []
-                first_name[id(p)] = f"{mod_name}.{attr}" if mod_name else attr
-                order.append(p)
-            if (module, attr) not in users[id(p)]:
+            order.setdefault(id(p), p)
+            first_name.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+            if (module, attr) not in users.setdefault(id(p), []):
                 users[id(p)].append((module, attr))
 
     groups: Dict[int, Dict[Tuple[torch.dtype, bool], Tuple[list, list, list]]] = {id(m): {} for m in unit_modules}
-    for p in order:
+    for p in order.values():
         chains = [chain(innermost[id(m)]) for m, _ in users[id(p)]]
         owner = next(u for u in chains[0] if all(any(u is v for v in c) for c in chains[1:]))
         if not p.is_floating_point():
@@ -353,12 +343,10 @@ def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.dev
     if device_id is not None:
         return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
     device = _module_device(module)
-    if device.type in ("meta", "cpu") and group.uses_nccl and torch.cuda.is_available():
-        # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
+    # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
+    if group.uses_nccl and (device.type == "meta" or (device.type == "cpu" and torch.cuda.is_available())):
         return torch.device("cuda", torch.cuda.current_device())
-    if device.type == "meta":  # nccl: the current CUDA device (as above without CUDA); gloo: the host
-        return torch.device("cuda", torch.cuda.current_device()) if group.uses_nccl else torch.device("cpu")
-    return device
+    return torch.device("cpu") if device.type == "meta" else device  # gloo: a meta model goes to the host
 
 
 def _has_own_meta_tensors(module: nn.Module) -> bool:
@@ -404,17 +392,15 @@ def _move_unit_buffers(modules, device: torch.device) -> None:
 
 def _module_device(module: nn.Module) -> torch.device:
     devices = {}
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
-    for name, p in tensors:
-        devices.setdefault(p.device, name)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        devices.setdefault(t.device, name)
     if len(devices) > 1:  # meta tensors are materialised unit by unit on the others' device
         devices.pop(torch.device("meta"), None)
     if len(devices) > 1:
         listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
-        raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. Move the model with .to(device) first")
-    if devices:
-        return next(iter(devices))
-    return torch.device("cpu")
+        raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. "
+                         "Move the model with .to(device) first")
+    return next(iter(devices), torch.device("cpu"))
 
 
 def _check_device(device: torch.device, group: ShardGroup, module: nn.Module) -> None:

@@ -14,13 +14,10 @@ schedule) costs W-1 shards of the whole model per token.  This module owns the a
   wrap time, :func:`generate_in_session`): units chosen by the plan are gathered at the start and kept
   (``ShardedState.KEPT``) to the end of the call, in compute dtype; the others are gathered per step.  When
   the plan keeps every unit the session is :func:`summoned` on them (gather-once: no hook work per step).
-  ``FLATSHARD_GENERATION_MODE``:
-    - ``budget`` (default): keep units while the gathered bytes held at any moment stay within
-      ``FLATSHARD_GENERATION_BUDGET_MB`` (default ``auto``: half the memory free when generate()
-      starts: device memory on CUDA, MemAvailable on CPU).  When the whole model fits that is one
-      gather per ``generate()`` (gather-once); otherwise the budget mode, logged once.
-    - ``full``: keep every unit, whatever the memory (DeepSpeed's ``ds3_gather_for_generation``).
-    - ``per_unit``: the training schedule at every step (logged once when a faster mode would fit).
+  ``FLATSHARD_GENERATION_MODE``: ``budget`` (default) keeps units while the gathered bytes held at any moment
+  stay within ``FLATSHARD_GENERATION_BUDGET_MB`` (``auto``: half the memory free when generate() starts,
+  MemAvailable on CPU; warned once when not all fit); ``full`` keeps every unit, whatever the memory
+  (DeepSpeed's ``ds3_gather_for_generation``); ``per_unit`` is the training schedule at every step.
 * TRL's seam (:func:`trl_summon_full_params`, an entry of ``patches.py``): ``DistributedBackend.summon_full_params(
   model_wrapped, recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master
   dtype) fits the budget, else the generation session.
@@ -48,8 +45,6 @@ import torch.nn as nn
 from . import options, patches
 from .state_dict.model import find_wrapper
 from .unit import ShardedState, Unit, UnitState
-
-MODES = options.GENERATION_MODES
 
 
 @dataclass(frozen=True)
@@ -114,11 +109,8 @@ def summoned(wrapper: nn.Module, writeback: bool, master: bool = True) -> Iterat
 # ---------------------------------------------------------------------- planning
 def unit_bytes(unit: Unit, master: bool = False) -> int:
     """Bytes of ``unit`` gathered: compute dtype (per-unit / session) or master dtype (summon)."""
-    total = 0
-    for flat in unit.flat_params:
-        dtype = flat.dtype if master else flat.compute_dtype
-        total += flat.layout.padded_numel * torch.empty((), dtype=dtype).element_size()
-    return total
+    return sum(f.layout.padded_numel * torch.empty((), dtype=f.dtype if master else f.compute_dtype).element_size()
+               for f in unit.flat_params)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -141,11 +133,9 @@ def peak_held_bytes(units: List[Unit], kept: List[Unit], forward_prefetch: bool,
     """Gathered bytes held at the worst moment of a decoding step when ``kept`` stay gathered: the kept
     units, the root (gathered for the whole forward) and the largest other unit (two with prefetch)."""
     kept_ids = {id(u) for u in kept}
-    held = sum(unit_bytes(u, master) for u in kept)
-    root = [u for u in units if u.is_root and id(u) not in kept_ids]
+    held = sum(unit_bytes(u, master) for u in units if u.is_root or id(u) in kept_ids)
     others = sorted((unit_bytes(u, master) for u in units if not u.is_root and id(u) not in kept_ids), reverse=True)
-    held += sum(unit_bytes(u, master) for u in root) + sum(others[: 2 if forward_prefetch else 1])
-    return held
+    return held + sum(others[: 2 if forward_prefetch else 1])
 
 
 def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, master: bool = False) -> List[Unit]:
@@ -290,8 +280,8 @@ def set_generation_options(model: nn.Module, **changes: Any) -> GenerationOption
     if unknown:
         raise TypeError(f"unknown generation options {sorted(unknown)}; known: {sorted(fields)}")
     fields.update(changes)
-    if fields["mode"] not in MODES:
-        raise ValueError(f"mode {fields['mode']!r}: expected one of {', '.join(MODES)}")
+    if fields["mode"] not in options.GENERATION_MODES:
+        raise ValueError(f"mode {fields['mode']!r}: expected one of {', '.join(options.GENERATION_MODES)}")
     control.options = GenerationOptions(**fields)
     control._said.clear()
     control.sync_frozen_hook()
@@ -338,11 +328,9 @@ def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 # ---------------------------------------------------------------------- TRL's seam (patch table entry)
 def trl_summon_full_params(original: Callable) -> Callable:
-    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (``patches.py``): TRL's GRPO, RLOO
-    and distillation trainers wrap generation in ``self._dist.summon_full_params(self.model_wrapped,
-    recurse=False)``, torch's ``FSDP.summon_full_params`` under an FSDP1 plugin (ours is presented as FSDP1), which
-    finds no torch FSDP module in our wrapper and does nothing.  accel_flatshard models go to
-    :func:`trl_generation_context`, others to TRL's."""
+    """Replacement of ``trl.distributed.DistributedBackend.summon_full_params`` (``patches.py``; TRL's GRPO,
+    RLOO and distillation trainers wrap generation in it, and torch's version does nothing on our wrapper):
+    accel_flatshard models go to :func:`trl_generation_context`, others to TRL's."""
 
     @functools.wraps(original)
     @contextlib.contextmanager
@@ -359,10 +347,9 @@ def trl_summon_full_params(original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
-    """What TRL's ``summon_full_params(model_wrapped, recurse=False)`` means here: gather for generation.  When the
-    whole model in master dtype fits the generation budget (or mode ``full``) a summon without writeback
-    (generation changes no weight; ``unwrapped.to(bf16)`` inside is undone), else the generation session of the
-    budget/per-unit mode (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
+    """TRL's ``summon_full_params(model_wrapped, recurse=False)`` here: a summon without writeback when the whole
+    model in master dtype fits the generation budget (or mode ``full``), else the generation session
+    (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
     control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
     if control.options.mode == "full" or (kept and len(kept) == len(control.wrapper.units)):

@@ -36,15 +36,13 @@ def clip_grad_norm_(
             raise ValueError("parameters of several separately wrapped models: clip each model on its own")
         group = next(iter(groups.values()), None)
     norm_type = float(norm_type)
-    sharded: List[torch.Tensor] = []
-    replicated: List[torch.Tensor] = []
-    for p in params:
-        if p.grad is None:
-            continue
-        (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p.grad for p in with_grad if getattr(p, "_flatshard_group", None) is not None]
+    replicated = [p.grad for p in with_grad if getattr(p, "_flatshard_group", None) is None]
     # the norm is all-reduced on the model's device (``device``, else the group's): under offload the gradients
     # are on the host, and "the current CUDA device" is cuda:0 when a script moved the model without set_device
-    device = device or (group.device if group is not None else None) or next((g.device for g in sharded + replicated), torch.device("cpu"))
+    device = (device or (group.device if group is not None else None)
+              or next((g.device for g in sharded + replicated), torch.device("cpu")))
     is_inf = norm_type == float("inf")
     local_sharded = _partial_norm(sharded, norm_type, device)
     local_replicated = _partial_norm(replicated, norm_type, device)
@@ -72,12 +70,10 @@ def scale_by_clip_coefficient(grads: List[torch.Tensor], max_norm: float, total_
 
 def _partial_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """sum(|g|^p) over grads (max |g| for p = inf), in float64 for a stable global sum."""
+    grads = [g.detach() for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     if norm_type == float("inf"):
-        maxes = [g.detach().abs().max().to(torch.float64) for g in grads if g.numel()]
-        return torch.stack(maxes).max().to(device) if maxes else torch.zeros((), dtype=torch.float64, device=device)
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) for g in grads if g.numel()]
-    if not norms:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([n ** norm_type for n in norms]).sum().to(device)
+        return torch.stack([g.abs().max().to(torch.float64) for g in grads]).max().to(device)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type for g in grads]
+    return torch.stack(norms).sum().to(device)

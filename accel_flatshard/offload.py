@@ -76,20 +76,15 @@ class HostOffload:
         s = self.streams
         s.synchronize(s.record(s.side_stream("all_gather")))
 
-    def shard_on_device(self, flat: FlatParameter) -> torch.Tensor:
-        """A device copy of the host shard, issued on the current (all-gather) stream."""
-        return self.streams.to_device(flat.local_shard)
-
     def grad_target(self, flat: FlatParameter) -> torch.Tensor:
         """Host buffer that receives this backward's reduced shard of ``flat``.
 
         When every ``.grad`` is None (first backward after ``zero_grad()``) the shard lands straight in
         ``sharded_grad``; otherwise (gradient accumulation, or a ``.grad`` set by the user) in a staging
         buffer that the host adds at the end of backward.  Both are allocated once and reused."""
-        fresh = all(p.grad is None for p in flat.params)
         if flat.sharded_grad is None:
             flat.sharded_grad = self._host_empty(flat.layout.shard_numel, flat.dtype)
-        if fresh:
+        if all(p.grad is None for p in flat.params):
             return flat.sharded_grad
         if flat not in self._staging:
             self._staging[flat] = self._host_empty(flat.layout.shard_numel, flat.dtype)

@@ -13,6 +13,7 @@ training or checkpoints would be wrong.  Never a silent no-op.  :func:`uninstall
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -152,23 +153,13 @@ def _version(package: str) -> str:
 
 def _resolve(dotted: str) -> Any:
     module, _, attr = dotted.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
 
 
 def _container(module: Any, path: str) -> Tuple[Any, str]:
     """The object holding the last component of ``path`` in ``module`` (a class for "Class.method")."""
     *parents, leaf = path.split(".")
-    holder = module
-    for part in parents:
-        holder = getattr(holder, part)
-    return holder, leaf
-
-
-def _get(holder: Any, leaf: str) -> Any:
-    return holder.__dict__[leaf] if isinstance(holder, type) else getattr(holder, leaf)
+    return functools.reduce(getattr, parents, module), leaf
 
 
 def _report_missing(patch: Patch, where: str, what: str) -> None:
@@ -208,14 +199,13 @@ def _apply_hook_or_key(patch: Patch, applied: List[str]) -> None:
         if patch.name in _UNDO:
             return
         _UNDO[patch.name] = target(value).remove
-    else:
-        shared = target
-        if shared.get(patch.key) is value:
+    else:  # ``target`` is the dict
+        if target.get(patch.key) is value:
             return
         if patch.name not in _UNDO:
-            had, before = patch.key in shared, shared.get(patch.key)
-            _UNDO[patch.name] = lambda: shared.update({patch.key: before}) if had else shared.pop(patch.key, None)
-        shared[patch.key] = value
+            had, before = patch.key in target, target.get(patch.key)
+            _UNDO[patch.name] = lambda: target.update({patch.key: before}) if had else target.pop(patch.key, None)
+        target[patch.key] = value
     applied.append(patch.target)
 
 
@@ -236,7 +226,7 @@ def _apply(patch: Patch, applied: List[str]) -> None:
             return
     try:
         holder, leaf = _container(owner, patch.attribute)
-        current = _get(holder, leaf)
+        current = holder.__dict__[leaf] if isinstance(holder, type) else getattr(holder, leaf)  # (not inherited)
     except (AttributeError, KeyError):
         _report_missing(patch, f"{patch.owner}.{patch.attribute}", "no such attribute")
         return
@@ -267,15 +257,14 @@ def _apply(patch: Patch, applied: List[str]) -> None:
                             f"it holds {bound!r}, not {patch.owner}.{patch.attribute} (moved or re-wrapped)")
             continue
         _set(name, module, patch.attribute, original, replacement, applied)
-    if patch.scan_packages:
-        for name, module in list(sys.modules.items()):
-            if module is None or name in patch.also_bound_in or name == patch.owner:
-                continue
-            if name.split(".", 1)[0] not in patch.scan_packages and name != "__main__":
-                continue
-            namespace = getattr(module, "__dict__", None)
-            if isinstance(namespace, dict) and namespace.get(patch.attribute) is original:
-                _set(name, module, patch.attribute, original, replacement, applied)
+    for name, module in list(sys.modules.items()) if patch.scan_packages else ():
+        if module is None or name in patch.also_bound_in or name == patch.owner:
+            continue
+        if name.split(".", 1)[0] not in patch.scan_packages and name != "__main__":
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(patch.attribute) is original:
+            _set(name, module, patch.attribute, original, replacement, applied)
 
 
 def install(scope: str = "accelerator", register: bool = False) -> List[str]:

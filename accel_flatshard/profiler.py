@@ -158,9 +158,7 @@ _ENV_PROFILER: Optional[Any] = None  # FLATSHARD_PROFILE's torch.profiler.profil
 
 
 def start_from_env(rank: int) -> Optional[Any]:
-    """Called by every wrapper: start the process' profiler if ``FLATSHARD_PROFILE`` asks for one (once),
-    stepped by every optimizer step; at the end of each cycle of ``FLATSHARD_PROFILE_EVERY`` steps rank 0
-    prints the phase table, and with a directory every rank writes its trace and table there."""
+    """Start the process' profiler if ``FLATSHARD_PROFILE`` asks for one (once; see the module docstring)."""
     global _ENV_PROFILER
     trace_dir = options.get("FLATSHARD_PROFILE")
     if trace_dir is None or _ENV_PROFILER is not None:

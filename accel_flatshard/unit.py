@@ -184,8 +184,7 @@ class Schedule:
         self.in_backward = False  # from the first backward hook to the end-of-backward callback
         self.recorded_order: Optional[List[Unit]] = None
         self._order_index: Dict[Unit, int] = {}
-        self._current_order: List[Unit] = []
-        self._current_set: set = set()
+        self._current_order: Dict[Unit, None] = {}  # this forward's units (ordered set)
         self._order_ok = True
         self._warned_order = False
         self._outside_reads: List[Unit] = []  # units read outside their forward in the running forward
@@ -256,7 +255,7 @@ class Schedule:
         self.engine.begin_step()
         self._end_outside_reads()  # left over by a forward that raised
         self.in_forward = True
-        self._current_order, self._current_set, self._order_ok = [], set(), True
+        self._current_order, self._order_ok = {}, True
         args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
         mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
@@ -266,11 +265,10 @@ class Schedule:
 
     def _record_and_prefetch(self, unit: Unit) -> None:
         """Record the execution order, check it against the recorded one, prefetch the next unit."""
-        if unit in self._current_set:
+        if unit in self._current_order:
             return  # a unit called twice in one forward keeps its first position
         index = len(self._current_order)
-        self._current_order.append(unit)
-        self._current_set.add(unit)
+        self._current_order[unit] = None
         recorded = self.recorded_order
         if recorded is None:
             return
@@ -489,15 +487,13 @@ def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwa
 
 
 # ---------------------------------------------------------------------- reads from outside a unit's forward
-# Outside its forward a unit's parameters are 1-D slices of this rank's shard.  Some models read a child
-# unit's parameter from the parent's forward: TRL's fused LM head computes ``hidden @ lm_head.weight.T``
-# without calling ``lm_head``, which ``transformer_auto_wrap_policy`` makes a unit when untied.  Every module
-# that registers a parameter of a non-root unit gets a subclass of its own class (same name, so class-name
-# lookups and ``isinstance`` keep working, as torch's ``fully_shard`` does with its ``FSDP<cls>`` classes) whose
-# ``__getattr__`` intercepts those names.  Python calls ``__getattr__`` only when normal lookup misses: inside
-# the unit's own forward the attribute resolves to a view in the module's ``__dict__``, so the unit's hot path
-# is untouched.  A miss while the model runs calls :meth:`Schedule.read_outside_forward`; at any other time
-# (user code between steps) the shard is returned: gathering is collective and must not start on one rank.
+# Some models read a child unit's parameter from the parent's forward (TRL's fused LM head computes
+# ``hidden @ lm_head.weight.T`` without calling an untied ``lm_head`` unit).  Every module that registers a
+# parameter of a non-root unit gets a subclass of its own class (same name: class-name lookups and
+# ``isinstance`` keep working, as with torch ``fully_shard``'s ``FSDP<cls>``) whose ``__getattr__`` intercepts
+# those names.  Python calls it only when normal lookup misses (inside the unit's forward the view in
+# ``__dict__`` is found: the hot path is untouched).  A miss while the model runs calls
+# :meth:`Schedule.read_outside_forward`; at any other time the shard is returned (a gather is collective).
 _READS_ATTR = "_flatshard_outside_reads"  # module.__dict__ key: {attribute name: (schedule, unit owning it)}
 _CLASS_MARK = "_flatshard_reading_class"
 _READING_CLASSES: Dict[type, type] = {}

@@ -22,9 +22,7 @@ _LOGGED_CHOICES: Set[str] = set()  # one log line per distinct choice per proces
 
 def _transformer_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, classes: tuple,
                         module_ids: frozenset = frozenset()) -> bool:
-    if recurse:
-        return True
-    return isinstance(module, classes) or id(module) in module_ids
+    return recurse or isinstance(module, classes) or id(module) in module_ids
 
 
 # Containers have no forward of their own (a unit's gather runs in its forward hook) and
@@ -98,12 +96,7 @@ def repeated_block_classes(model: nn.Module) -> Set[Type[nn.Module]]:
 
 
 def _no_split_modules(model: nn.Module) -> List[str]:
-    names: List[str] = []
-    for m in model.modules():
-        for n in getattr(m, "_no_split_modules", None) or []:
-            if n not in names:
-                names.append(n)
-    return names
+    return list(dict.fromkeys(n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or []))
 
 
 def transformer_auto_wrap_policy(
@@ -113,8 +106,9 @@ def transformer_auto_wrap_policy(
     """Wrap every transformer block as its own unit.
 
     ``transformer_auto_wrap_policy(model)`` takes the block classes from a Hugging Face model's
-    ``_no_split_modules`` (a model without them: its repeated blocks, :func:`repeated_block_classes`); ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them;
-    ``transformer_auto_wrap_policy([MyBlock])`` gives the classes directly.
+    ``_no_split_modules`` (a model without them: its repeated blocks, :func:`repeated_block_classes`);
+    ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them; ``transformer_auto_wrap_policy([MyBlock])``
+    gives the classes directly.
 
     Given a model whose input embedding and output head are *untied* (Llama), both become units too:
     the head's gradient is then reduced right after its backward (the first of the step) instead of
@@ -164,13 +158,11 @@ def select_units(root: nn.Module, policy: Optional[Policy]) -> List[nn.Module]:
     ``nonwrapped_numel`` counts only parameters that no inner unit claimed.  The root is always a unit.
     """
     units: List[nn.Module] = []
-    if policy is not None:
-        seen: Set[int] = set()
-        for child in root.children():
-            _select(child, policy, units, seen)
+    seen: Set[int] = set()
+    for child in root.children() if policy is not None else ():
+        _select(child, policy, units, seen)
     chosen = {id(m) for m in units}
-    ordered = [m for m in root.modules() if id(m) in chosen]
-    return [root] + ordered
+    return [root] + [m for m in root.modules() if id(m) in chosen]
 
 
 def _select(module: nn.Module, policy: Policy, units: List[nn.Module], seen: Set[int]) -> int:
@@ -178,23 +170,19 @@ def _select(module: nn.Module, policy: Policy, units: List[nn.Module], seen: Set
     # torch's size-based policy decides whether to recurse from the module's not-yet-wrapped size
     unclaimed = sum(p.numel() for p in module.parameters() if id(p) not in seen)
     if not policy(module=module, recurse=True, nonwrapped_numel=unclaimed):
-        return _numel(module, seen)  # not looked into: its parameters stay with the enclosing unit
-    nonwrapped = 0
-    for child in module.children():
-        nonwrapped += _select(child, policy, units, seen)
-    for p in module.parameters(recurse=False):
-        if id(p) not in seen:
-            seen.add(id(p))
-            nonwrapped += p.numel()
+        return _claim(module.parameters(), seen)  # not looked into: its parameters stay with the enclosing unit
+    nonwrapped = sum(_select(child, policy, units, seen) for child in module.children())
+    nonwrapped += _claim(module.parameters(recurse=False), seen)
     if policy(module=module, recurse=False, nonwrapped_numel=nonwrapped):
         units.append(module)
         return 0
     return nonwrapped
 
 
-def _numel(module: nn.Module, seen: Set[int]) -> int:
+def _claim(params: Iterable[nn.Parameter], seen: Set[int]) -> int:
+    """Mark ``params`` claimed; the numel of those not claimed before."""
     n = 0
-    for p in module.parameters():
+    for p in params:
         if id(p) not in seen:
             seen.add(id(p))
             n += p.numel()
