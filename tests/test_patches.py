@@ -1,4 +1,4 @@
-"""The patch table (integrations/patches.py) and the version window (integrations/versions.py)."""
+"""The patch table (patches.py) and the version window (integrations/versions.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The library functions that must see through accel_flatshard's wrapper (integrations/trainer_trl_peft.py, installed by integrations/patches.py)."""
+"""The library functions that must see through accel_flatshard's wrapper (integrations/trainer_trl_peft.py, installed by patches.py)."""
 import torch.nn as nn
 
 from accel_flatshard import FullyShardedDataParallel

@@ -6,7 +6,7 @@
 * :func:`commit_dir` - the same for a directory built as ``<dir>.tmp-<random>`` (:func:`new_tmp_dir`): its entries
   are fsynced, a previous ``<dir>`` is renamed to ``<dir>.old-<random>``, the new one renamed in, the parent
   fsynced, the old one deleted.  A crash between the two renames leaves the previous checkpoint complete under the
-  ``.old-`` name (``files.resolve_checkpoint_dir`` finds it).
+  ``.old-`` name (``sharded.resolve_checkpoint_dir`` finds it).
 
 Example::
 
