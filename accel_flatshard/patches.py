@@ -75,9 +75,9 @@ _FSDP_FUNCTION_BINDINGS = ("accelerate.utils", "accelerate.accelerator", "transf
 PATCHES: Tuple[Patch, ...] = (
     Patch("Accelerator", "accelerate", "Accelerator", "accel_flatshard.integrations.accelerate:Accelerator",
           "unmodified scripts (`from accelerate import Accelerator` after register()) shard with accel_flatshard",
-          "accelerate 1.10.1, 1.15", also_bound_in=("accelerate.accelerator",), scope="register"),
+          "accelerate 1.10.1, 1.16", also_bound_in=("accelerate.accelerator",), scope="register"),
     *(Patch(fn, "accelerate.utils.fsdp_utils", fn, f"accel_flatshard.integrations.fsdp_utils_shim:{fn}",
-            _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.15; transformers 4.57.6, 5.24",
+            _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24",
             also_bound_in=_FSDP_FUNCTION_BINDINGS, scan_packages=("accelerate", "transformers", "trl", "peft"))
       for fn in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")),
     Patch("get_parameter_names", "transformers.trainer_pt_utils", "get_parameter_names",
@@ -89,7 +89,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("extract_model_from_parallel", "accelerate.utils.other", "extract_model_from_parallel",
           "accel_flatshard.integrations.trainer_trl_peft:seeing_through_wrapper",
           "PEFT/TRL/Trainer unwrap models with it (is_peft_model, unwrap_model); it knows only torch's wrappers",
-          "accelerate 1.10.1, 1.15; transformers 4.57.6, 5.24; peft 0.17.1, 0.21; trl 0.24.0, 1.16",
+          "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24; peft 0.17.1, 0.21; trl 0.24.0, 1.16",
           also_bound_in=("accelerate.utils", "accelerate.accelerator", "transformers.modeling_utils"),
           scan_packages=("accelerate", "transformers", "peft", "trl"), wraps_original=True),
     Patch("prepare_fsdp", "trl.models.utils", "prepare_fsdp", "accel_flatshard.integrations.trainer_trl_peft:sharding_reference_models",
@@ -100,12 +100,12 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.integrations.config:post_init_without_device",
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
           "(sync_module_states prepares a GPU param_init_fn accel_flatshard never uses)",
-          "accelerate 1.10.1, 1.15", wraps_original=True, essential=False, scope="register"),
+          "accelerate 1.10.1, 1.16", wraps_original=True, essential=False, scope="register"),
     Patch("parallelism_config_check", "accelerate.parallelism_config", "ParallelismConfig._validate_accelerator",
           "accel_flatshard.integrations.config:validating_flatshard_layout",
           "accelerate refuses a parallelism_config unless torch FSDP2 or a multi-device type runs; accel_flatshard "
           "(MULTI_CPU on a CPU host, plugin presented as FSDP1) implements dp_replicate x dp_shard itself: its "
-          "Accelerator gets accelerate's other checks as a multi-device state", "accelerate 1.10.1, 1.15",
+          "Accelerator gets accelerate's other checks as a multi-device state", "accelerate 1.10.1, 1.16",
           wraps_original=True, essential=False),
     Patch("trl_summon_full_params", "trl.distributed", "DistributedBackend.summon_full_params",
           "accel_flatshard.generation:trl_summon_full_params",
@@ -134,7 +134,7 @@ PATCHES: Tuple[Patch, ...] = (
           "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
     Patch("accelerate_fsdp_state", "accelerate.state", "PartialState._shared_state", "accelerate.utils:DistributedType.FSDP",
           "on a host without CUDA the Accelerator switches accelerate's MULTI_CPU state to FSDP; PartialState keeps "
-          "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.15",
+          "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.16",
           key="distributed_type", scope="fsdp_state"),
 )
 

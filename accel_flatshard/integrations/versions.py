@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # package -> (oldest tested, newest tested)
 SUPPORTED: Dict[str, Tuple[str, str]] = {
     "torch": ("2.11.0", "2.13"),
-    "accelerate": ("1.10.1", "1.15"),
+    "accelerate": ("1.10.1", "1.16"),
     "transformers": ("4.57.6", "5.24"),
     "trl": ("0.24.0", "1.16"),
     "peft": ("0.17.1", "0.21"),
