@@ -103,7 +103,7 @@ class ShardedModuleRecord:
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedModuleRecord":
         # a deep copy of the module is a separate, unsharded-looking model: it must not gather ours
         copy = object.__new__(ShardedModuleRecord)
-        copy.__dict__.update(self.__dict__, wrapper=lambda: None)
+        copy.__dict__.update(self.__dict__, wrapper=lambda: None, module=None, units=[])  # (nor keep ours alive)
         return copy
 
 
