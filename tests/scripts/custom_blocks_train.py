@@ -67,6 +67,7 @@ def main() -> None:
             json.dump({"losses": losses, "local_numel": held, "total_numel": total,
                        "model_class": type(model).__name__}, f)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process group before exit
 
 
 if __name__ == "__main__":

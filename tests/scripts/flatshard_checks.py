@@ -129,6 +129,7 @@ def main():
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process group before exit
 
 
 if __name__ == "__main__":

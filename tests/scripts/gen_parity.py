@@ -131,6 +131,7 @@ def main():
         with open(args.output_json, "w") as f:
             json.dump(result, f)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process group before exit
 
 
 if __name__ == "__main__":

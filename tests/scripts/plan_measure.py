@@ -3,6 +3,7 @@ accel_flatshard's Accelerator; each rank's peak of step 3 measured by torch's Me
 and the warnings of the first forward (prepare's memory check, given ``--device_memory`` as the free memory
 of the device) and of the later steps."""
 import argparse
+import gc
 import json
 import sys
 import warnings
@@ -51,4 +52,8 @@ flatshard = lambda ws: [str(w.message) for w in ws if "accel_flatshard: predicte
 if accelerator.is_main_process:
     Path(args.out).write_text(json.dumps({"peak_bytes": peaks, "warnings_first_forward": flatshard(caught[0]),
                                           "warnings_later": flatshard(caught[1]) + flatshard(caught[2])}))
-accelerator.end_training()  # destroy the process group before exit (gloo's threads otherwise may abort the exit)
+# Exit cleanly (CI saw this script's rank 0 abort, rarely, after its work was done): free the tracker, the
+# wrapped model and its optimizer while the interpreter is whole, then destroy the process group.
+del tracker, model, optimizer, loss
+gc.collect()
+accelerator.end_training()

@@ -75,6 +75,7 @@ def main():
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(out, f)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy the process group before exit
 
 
 if __name__ == "__main__":

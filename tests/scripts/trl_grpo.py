@@ -51,6 +51,7 @@ def main():
     }, trainer.accelerator)
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()  # before exit: no gloo thread outlives the interpreter
 
 
 if __name__ == "__main__":
