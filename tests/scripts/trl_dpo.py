@@ -47,7 +47,7 @@ def main():
     write_json(args.output_json, result, trainer.accelerator)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()  # before exit: no gloo thread outlives the interpreter
+    trainer.accelerator.end_training()  # destroys the process group (reference_runner.py keeps it)
 
 
 if __name__ == "__main__":
