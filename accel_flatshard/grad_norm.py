@@ -36,9 +36,11 @@ def clip_grad_norm_(
             raise ValueError("parameters of several separately wrapped models: clip each model on its own")
         group = next(iter(groups.values()), None)
     norm_type = float(norm_type)
-    with_grad = [p for p in params if p.grad is not None]
-    sharded = [p.grad for p in with_grad if getattr(p, "_flatshard_group", None) is not None]
-    replicated = [p.grad for p in with_grad if getattr(p, "_flatshard_group", None) is None]
+    sharded: List[torch.Tensor] = []  # one pass per step over the parameters: sharded or replicated
+    replicated: List[torch.Tensor] = []
+    for p in params:
+        if p.grad is not None:
+            (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
     # the norm is all-reduced on the model's device (``device``, else the group's): under offload the gradients
     # are on the host, and "the current CUDA device" is cuda:0 when a script moved the model without set_device
     device = (device or (group.device if group is not None else None)
