@@ -157,8 +157,11 @@ class ShardGroup:
 
         def sum_into_output() -> None:
             parts = [chunks[r] if r == self.shard_rank else received[peers.index(r)] for r in range(self.shard_size)]
-            output.copy_(parts[0])
-            for part in parts[1:]:
+            if len(parts) == 1:
+                output.copy_(parts[0])
+                return
+            torch.add(parts[0], parts[1], out=output)  # one pass: the first part is not copied before the adds
+            for part in parts[2:]:
                 output.add_(part)
 
         return _Works(dist.batch_isend_irecv(ops), then=sum_into_output)

@@ -38,6 +38,7 @@ from .engine import Engine
 from .flat_param import FlatParameter
 from .mixed_precision import MixedPrecision
 from .profiler import begin_span, end_span
+from .wrap import backward_reads_parameters
 
 
 class BackwardPrefetch(enum.Enum):
@@ -55,7 +56,8 @@ class UnitState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()  # its forward runs: gathered, the module's attributes are views of the gathered buffers
     AWAIT_BACKWARD = enum.auto()  # it ran forward with grad: its backward is to come
-    BACKWARD = enum.auto()  # its backward runs: gathered, views installed (autograd-tracked)
+    BACKWARD = enum.auto()  # its backward runs: gathered, views installed (autograd-tracked); an input embedding
+    # is not gathered for it (``Unit.gathers_for_backward``)
     BACKWARD_DONE = enum.auto()  # its gradients are issued for reduction (or, frozen, its inputs' are computed)
     SUMMONED = enum.auto()  # parameters are full tensors (summon_full_params, gather-once generation)
 
@@ -82,6 +84,8 @@ class Unit:
         self.engine = engine
         self.is_root = is_root
         self.reshard_after_forward = reshard_after_forward and not is_root
+        # an untied input embedding: its backward needs no parameters, so it is not gathered for it (wrap.py)
+        self.gathers_for_backward = is_root or backward_reads_parameters(module)
         self.trainable = sum(f.requires_grad for f in flat_params)  # flat params with a gradient
         self.state = UnitState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -379,13 +383,14 @@ class Schedule:
         # backward through a retained graph, or after a no-grad forward in between)
         unit.expect("pre_backward", UnitState.AWAIT_BACKWARD, UnitState.BACKWARD_DONE, UnitState.IDLE)
         unit.state = UnitState.BACKWARD
-        unit.unshard()
-        unit.wait_unshard()
-        # Checkpointed layers may recompute forward inside backward without running module hooks
-        # (transformers checkpoints `forward`, not `__call__`): the attributes must already resolve to
-        # autograd-tracked views, so build them with grad mode on (hooks run with it off).
-        with torch.enable_grad():
-            unit.install_views()
+        if unit.gathers_for_backward:
+            unit.unshard()
+            unit.wait_unshard()
+            # Checkpointed layers may recompute forward inside backward without running module hooks
+            # (transformers checkpoints `forward`, not `__call__`): the attributes must already resolve to
+            # autograd-tracked views, so build them with grad mode on (hooks run with it off).
+            with torch.enable_grad():
+                unit.install_views()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_before(unit)
 
@@ -433,7 +438,7 @@ class Schedule:
         index = self._order_index.get(unit)
         if index:
             previous = self.recorded_order[index - 1]
-            if previous.state is UnitState.AWAIT_BACKWARD:
+            if previous.state is UnitState.AWAIT_BACKWARD and previous.gathers_for_backward:
                 previous.unshard()
 
     def _end_backward(self) -> None:

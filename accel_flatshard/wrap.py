@@ -146,6 +146,15 @@ def _untied_embedding_ids(model: nn.Module) -> frozenset:
     return frozenset({id(inp), id(out)})
 
 
+def backward_reads_parameters(module: nn.Module) -> bool:
+    """Whether a unit made of ``module`` must be gathered again for its backward.  Not when it is a plain
+    ``nn.Embedding`` (an untied input embedding): embedding's backward reads the indices and the weight's
+    row count, never the weight, so the unit is gathered for forward only.  Subclasses with their own
+    forward, ``max_norm`` (renormalises the weight in forward) and sparse gradients are gathered as usual."""
+    return not (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+                and module.max_norm is None and not module.sparse)
+
+
 def size_based_auto_wrap_policy(min_num_params: int = int(1e8)) -> Policy:
     """Make a unit of every module whose not-yet-wrapped parameters number at least ``min_num_params``."""
     return functools.partial(_size_policy, min_num_params=int(min_num_params))

@@ -213,6 +213,13 @@ def no_dynamo_disable(wrapped) -> None:
         ]
 
 
+def gather_embedding_for_backward(wrapped) -> None:
+    """unit.Unit.gathers_for_backward: the engine before it, every unit gathered again for its backward (also an
+    untied input embedding, whose backward reads no weight)."""
+    for unit in wrapped.units:
+        unit.gathers_for_backward = True
+
+
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -235,12 +242,13 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "compilecall": ("post", compile_blocks_call),
     "compilewhole": ("post", compile_whole),
     "nodisable": ("post", no_dynamo_disable),
+    "embbwd": ("post", gather_embedding_for_backward),
 }
 
 
 # ``ours+proposed``: changes measured here and not (yet) in the engine.  agp2p, boundrs, adopt, keeplast
 # and wrapemb were adopted by the engine itself (comm.py, engine.py, flat_param.py, unit.py, wrap.py) and
-# are kept as options only to compare against their patch form.
+# are kept as options only to compare against their patch form; embbwd restores what the engine did before.
 PROPOSED = ["rsp2p"]  # fpre + bpre became the defaults (README Speed)
 
 

@@ -27,13 +27,13 @@ def gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def llama(seed: int = 0, n_layer: int = 2, hidden: int = 32) -> nn.Module:
+def llama(seed: int = 0, n_layer: int = 2, hidden: int = 32, vocab: int = VOCAB) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _quiet_transformers()
     torch.manual_seed(seed)
     config = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=vocab,
                          max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(config)
 

@@ -36,6 +36,13 @@ def llama() -> nn.Module:
     return models.llama(n_layer=3, hidden=64)
 
 
+def llama_vocab() -> nn.Module:
+    """Its untied embedding is larger than its blocks (as in Llama 3): the peak is at the end of backward."""
+    import models
+
+    return models.llama(n_layer=1, hidden=128, vocab=4096)
+
+
 def gpt2() -> nn.Module:  # tied input/output embedding (in the root unit)
     import models
 
@@ -50,7 +57,7 @@ def toy() -> nn.Module:
 
 
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Optional[List[str]]]] = {
-    "llama": (llama, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"])}
+    "llama": (llama, None), "llama-vocab": (llama_vocab, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"])}
 
 
 def make_batch(name: str) -> Callable[[int], Any]:

@@ -152,6 +152,36 @@ def test_params_grads_and_optimizer_state_are_one_over_w_of_ddp(world_size):
         assert not any(unsharded_alive), "no unit may stay gathered after a step"
 
 
+def _embedding_gathers_worker(rank, world_size, checkpointing):
+    from accel_flatshard.wrap import checkpoint_units
+    from models import first_grads, llama
+
+    data = batches(1, batch=world_size * 2)
+    ddp_grads = {k.removeprefix("module."): g for k, g in first_grads(DDP(llama()), data[0], rank, world_size).items()}
+    model = llama()
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    if checkpointing:
+        checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
+    schedule = wrapped._schedule
+    gathers, unshard = [], schedule.engine.unshard
+    schedule.engine.unshard = lambda flat, label="": (gathers.append((label, schedule.in_backward)), unshard(flat, label))
+    grads = first_grads(wrapped, data[0], rank, world_size)
+    error = max((grads[k] - ddp_grads[k]).abs().max().item() for k in ddp_grads)
+    return gathers, error, grads.keys() == ddp_grads.keys()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_untied_input_embedding_is_gathered_for_its_forward_only(checkpointing):
+    """Embedding's backward reads the indices, not the weight: its unit is not gathered again for backward
+    (a recomputation of its forward under activation checkpointing gathers it), and the gradients equal DDP's."""
+    gathers, error, same_keys = spawn(2, _embedding_gathers_worker, checkpointing)[0]
+    embedding = "model.embed_tokens"
+    assert gathers.count((embedding, False)) == 1
+    assert gathers.count((embedding, True)) == (1 if checkpointing else 0), gathers
+    assert gathers.count(("model.layers.0", True)) == 1, "a block is gathered again for its backward"
+    assert same_keys and error < 1e-6, error
+
+
 class _Reorderable(Toy):
     """Runs its blocks in reverse order when ``reverse`` is set (data-dependent control flow)."""
 

@@ -35,7 +35,7 @@ def _check(rows, measured, what):
         table.append((r, real, predicted, (predicted.peak_bytes - real) / real))
     print(f"\n{what}: planner vs measured step peak")
     for r, real, p, err in table:
-        print(f"  W={r.world_size} {r.model:5} {r.label:28} measured {real / 2**20:7.3f} MiB  planner "
+        print(f"  W={r.world_size} {r.model:11} {r.label:30} measured {real / 2**20:7.3f} MiB  planner "
               f"{p.peak_bytes / 2**20:7.3f} MiB  {err:+.2%}  ({p.where})")
     worst = max(table, key=lambda t: abs(t[3]))
     assert abs(worst[3]) <= TOLERANCE, f"{worst[0]}: measured {worst[1]}, planner {worst[2]}"
@@ -49,7 +49,8 @@ TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
              row("toy", 2, "offload", offload=True), row("llama", 2, "AC + bf16 (bf16 reduce)", BF16_REDUCE_BF16,
                                                            checkpointing=True),
              row("gpt2", 2, "offload + bf16", BF16, offload=True),
-             row("gpt2", 2, "micro-batch 2, sync_each_batch", micro_batch=2, accumulation="sync_each_batch")]
+             row("gpt2", 2, "micro-batch 2, sync_each_batch", micro_batch=2, accumulation="sync_each_batch"),
+             row("llama-vocab", 2, "FULL_SHARD, large vocabulary")]
 FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", shard_size=2),
               row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", shard_size=2, reshard_after_forward=False,
                   checkpointing=True),

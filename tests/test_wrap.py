@@ -8,7 +8,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
 from accel_flatshard import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from accel_flatshard.wrap import select_units
+from accel_flatshard.wrap import backward_reads_parameters, select_units
 from models import gpt2, llama
 
 
@@ -83,3 +83,20 @@ def test_without_repeated_blocks_the_root_is_the_only_unit_and_that_is_logged(ca
         units = select_units(model, transformer_auto_wrap_policy(model))
     assert units == [model]
     assert "no repeated blocks" in caplog.text and "one unit for the whole model" in caplog.text
+
+
+class _ScaledEmbedding(nn.Embedding):  # e.g. Gemma's: its own forward may read the weight in backward
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+@pytest.mark.parametrize("module, gathered", [
+    (nn.Embedding(8, 4), False),
+    (nn.Embedding(8, 4, padding_idx=0), False),
+    (nn.Embedding(8, 4, max_norm=1.0), True),  # renormalises the weight in forward
+    (nn.Embedding(8, 4, sparse=True), True),
+    (_ScaledEmbedding(8, 4), True),
+    (nn.Linear(4, 4), True),
+])
+def test_only_a_plain_embedding_unit_is_not_gathered_for_backward(module, gathered):
+    assert backward_reads_parameters(module) is gathered

@@ -30,7 +30,7 @@ from ..engine import Engine
 from ..flat_param import FlatParameter, FlatParamLayout
 from ..fully_sharded import _assign_owners
 from ..integrations.config import FlatShardOptions
-from ..wrap import checkpoint_units, select_units
+from ..wrap import backward_reads_parameters, checkpoint_units, select_units
 
 MAX_PENDING_REDUCTIONS = inspect.signature(Engine).parameters["max_pending_reductions"].default  # (the wrapper's)
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
@@ -154,6 +154,7 @@ class Planner:
                                 else b.nbytes for b in model.buffers())
         units, names = self._units(model), {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.names = [names[id(m)] or "<root>" for m in units]
+        self.gathers_for_backward = [i == 0 or backward_reads_parameters(m) for i, m in enumerate(units)]  # (unit.py)
         # per unit (root first, as the wrapper builds them), its flat parameters: fqns, shapes, dtype, requires_grad
         self._groups = [[(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad) for ps, fqns, _ in groups]
                         for groups in _assign_owners(model, units)[0].values()]
@@ -377,7 +378,7 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
 
     def prefetch_before(u: int, act: int) -> None:
         i = pos.get(u, 0)
-        if i and status.get(order[i - 1]) == "await":
+        if i and status.get(order[i - 1]) == "await" and planner.gathers_for_backward[order[i - 1]]:
             gather(order[i - 1], act, keep=True)
 
     for _ in range(2 if cuda else 1):  # CUDA: the second step starts with what the first left in flight
@@ -407,10 +408,12 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
                 copies.pop(u, None)
                 if kind == "bwd" and not (status.get(u) == "bwd" and u in gathered):
                     status[u] = "bwd"
-                    gather(u, live)
+                    if planner.gathers_for_backward[u]:
+                        gather(u, live)
                     if cfg.backward_prefetch == "BACKWARD_PRE":
                         prefetch_before(u, live)
-                gather(u, live)  # (a recomputation gathers a unit that is not)
+                if kind == "recompute" or planner.gathers_for_backward[u]:
+                    gather(u, live)  # (a recomputation gathers a unit that is not)
             elif kind == "grad":  # a flat gradient is complete (concatenated in the trace): reduce it
                 f = units[u][event[4]]
                 while len(pending) >= MAX_PENDING_REDUCTIONS:
