@@ -56,8 +56,7 @@ class UnitState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()  # its forward runs: gathered, the module's attributes are views of the gathered buffers
     AWAIT_BACKWARD = enum.auto()  # it ran forward with grad: its backward is to come
-    BACKWARD = enum.auto()  # its backward runs: gathered, views installed (autograd-tracked); an input embedding
-    # is not gathered for it (``Unit.gathers_for_backward``)
+    BACKWARD = enum.auto()  # its backward runs: gathered, views installed (not for an input embedding: wrap.py)
     BACKWARD_DONE = enum.auto()  # its gradients are issued for reduction (or, frozen, its inputs' are computed)
     SUMMONED = enum.auto()  # parameters are full tensors (summon_full_params, gather-once generation)
 
@@ -85,7 +84,7 @@ class Unit:
         self.is_root = is_root
         self.reshard_after_forward = reshard_after_forward and not is_root
         # an untied input embedding: its backward needs no parameters, so it is not gathered for it (wrap.py)
-        self.gathers_for_backward = is_root or backward_reads_parameters(module)
+        self.gathers_for_backward = backward_reads_parameters(module)
         self.trainable = sum(f.requires_grad for f in flat_params)  # flat params with a gradient
         self.state = UnitState.IDLE
         self.sharded_state = ShardedState.SHARDED

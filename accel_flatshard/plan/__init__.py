@@ -154,7 +154,7 @@ class Planner:
                                 else b.nbytes for b in model.buffers())
         units, names = self._units(model), {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.names = [names[id(m)] or "<root>" for m in units]
-        self.gathers_for_backward = [i == 0 or backward_reads_parameters(m) for i, m in enumerate(units)]  # (unit.py)
+        self.gathers_for_backward = [backward_reads_parameters(m) for m in units]  # (Unit.gathers_for_backward)
         # per unit (root first, as the wrapper builds them), its flat parameters: fqns, shapes, dtype, requires_grad
         self._groups = [[(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad) for ps, fqns, _ in groups]
                         for groups in _assign_owners(model, units)[0].values()]
@@ -406,13 +406,14 @@ def _replay(planner: Planner, cfg: Config) -> Prediction:
             elif kind in ("bwd", "recompute"):
                 where[:] = ["backward", u]
                 copies.pop(u, None)
+                needs_params = kind == "recompute" or planner.gathers_for_backward[u]
                 if kind == "bwd" and not (status.get(u) == "bwd" and u in gathered):
                     status[u] = "bwd"
-                    if planner.gathers_for_backward[u]:
+                    if needs_params:
                         gather(u, live)
                     if cfg.backward_prefetch == "BACKWARD_PRE":
                         prefetch_before(u, live)
-                if kind == "recompute" or planner.gathers_for_backward[u]:
+                if needs_params:
                     gather(u, live)  # (a recomputation gathers a unit that is not)
             elif kind == "grad":  # a flat gradient is complete (concatenated in the trace): reduce it
                 f = units[u][event[4]]
