@@ -390,6 +390,7 @@ class Engine:
                     s.synchronize(r.copied)
         for r in done:
             r.flat.accumulate_sharded_grad(r.host_grad)
+        self.offload.targets_consumed()
 
     def drain_discarding_reductions(self) -> None:
         """Wait for outstanding reductions without using their results (after an aborted backward).  The
@@ -397,6 +398,8 @@ class Engine:
         the next copy into it is on the same stream, and the host reads it after the next backward's."""
         pending, self._reduces = list(self._reduces), collections.deque()
         done, self._reduced = self._reduced, []
+        if self.offload is not None:
+            self.offload.targets_consumed()
         for r in pending:
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
         for r in pending + done:  # (on CUDA the replica all-reduce of a pending one is issued too)

@@ -51,7 +51,8 @@ class HostOffload:
 
     def __init__(self, streams: Any) -> None:
         self.streams = streams
-        self._staging: Dict[FlatParameter, torch.Tensor] = {}
+        self._staging: Dict[FlatParameter, List[torch.Tensor]] = {}
+        self._handed: Dict[FlatParameter, List[torch.Tensor]] = {}  # targets of this backward's reductions
         # every host buffer allocated (all persistent: reused, never freed while the model lives)
         self.host_buffers: List[torch.Tensor] = []
         _LIVE.add(self)
@@ -77,18 +78,30 @@ class HostOffload:
         s.synchronize(s.record(s.side_stream("all_gather")))
 
     def grad_target(self, flat: FlatParameter) -> torch.Tensor:
-        """Host buffer that receives this backward's reduced shard of ``flat``.
+        """Host buffer that receives this backward's next reduced shard of ``flat``.
 
-        When every ``.grad`` is None (first backward after ``zero_grad()``) the shard lands straight in
-        ``sharded_grad``; otherwise (gradient accumulation, or a ``.grad`` set by the user) in a staging
-        buffer that the host adds at the end of backward.  Both are allocated once and reused."""
+        When every ``.grad`` is None (first backward after ``zero_grad()``) the first shard lands straight in
+        ``sharded_grad``; otherwise (gradient accumulation, a ``.grad`` set by the user, or a second
+        reduction of ``flat`` in the same backward) in a staging buffer that the host adds at the end of
+        backward.  Every reduction of one backward gets its own buffer (the copies run concurrently; the
+        host adds them in turn); all are allocated once and reused (:meth:`targets_consumed`)."""
         if flat.sharded_grad is None:
             flat.sharded_grad = self._host_empty(flat.layout.shard_numel, flat.dtype)
-        if all(p.grad is None for p in flat.params):
-            return flat.sharded_grad
-        if flat not in self._staging:
-            self._staging[flat] = self._host_empty(flat.layout.shard_numel, flat.dtype)
-        return self._staging[flat]
+        handed = self._handed.setdefault(flat, [])
+        if not handed and all(p.grad is None for p in flat.params):
+            target = flat.sharded_grad
+        else:
+            staging = self._staging.setdefault(flat, [])
+            used = sum(t is not flat.sharded_grad for t in handed)
+            if used == len(staging):
+                staging.append(self._host_empty(flat.layout.shard_numel, flat.dtype))
+            target = staging[used]
+        handed.append(target)
+        return target
+
+    def targets_consumed(self) -> None:
+        """End of backward (or an aborted one): the targets handed out are added or dropped; reuse them."""
+        self._handed.clear()
 
 
 # ---------------------------------------------------------------------- the host optimizer step

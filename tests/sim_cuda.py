@@ -338,7 +338,8 @@ class SimulatedCuda(TorchDispatchMode):
                 staging = offload._staging if offload is not None else {}
                 for i, flat in enumerate(unit.flat_params):
                     named = [("local_shard", flat.local_shard), ("sharded_grad", flat.sharded_grad),
-                             ("unsharded", flat.unsharded), ("staged grad", staging.get(flat))]
+                             ("unsharded", flat.unsharded)]
+                    named += [("staged grad", t) for t in staging.get(flat, ())]
                     named += [(f"grad of {slot.fqn}", p.grad) for slot, p in zip(flat.layout.slots, flat.params)]
                     for what, t in named:
                         if t is not None and (st := _storage(t)) is not None and st._cdata == buf.key:

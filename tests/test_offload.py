@@ -90,3 +90,37 @@ def test_cpu_offload_accepts_torch_forms():
     assert not wants_offload(TorchCPUOffload()) and not wants_offload(OffloadPolicy()) and not wants_offload(None)
     with pytest.raises(TypeError, match="cpu_offload"):
         wants_offload("yes")
+
+
+# ---------------------------------------------------------------------- a unit applied twice in one forward
+def _applied_twice_vs_ddp(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from toy import Block, Toy, toy_batches
+
+    data = [x.chunk(world_size)[rank] for x in toy_batches(3)]
+    results = []
+    for wrapper in ("ddp", "offload"):
+        module = Toy(tie_blocks=False)  # blocks[1] is applied twice in one forward
+        model = DDP(module) if wrapper == "ddp" else FullyShardedDataParallel(
+            module, auto_wrap_policy=transformer_auto_wrap_policy([Block]), cpu_offload=CPUOffload(True))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in data:
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        state = module.state_dict() if wrapper == "ddp" else model.state_dict()
+        results.append({k: v.detach().clone() for k, v in state.items()})
+    return results
+
+
+def test_a_unit_applied_twice_under_offload_trains_like_ddp():
+    """Both uses' gradients reach the host shard gradient (one reduction per backward: autograd sums the
+    two uses before the unit's gradient hook fires).  Two reductions of one flat parameter in one backward:
+    test_offload_sim.py::test_two_reductions_of_one_flat_parameter_in_one_backward_are_summed."""
+    from dist_helpers import spawn
+
+    ddp, offloaded = spawn(2, _applied_twice_vs_ddp)[0]
+    assert ddp.keys() == offloaded.keys()
+    for name in ddp:
+        torch.testing.assert_close(offloaded[name], ddp[name], rtol=1e-5, atol=1e-6, msg=name)

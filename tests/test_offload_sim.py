@@ -202,3 +202,25 @@ def test_offload_under_hybrid_copies_the_gradient_after_the_replica_all_reduce(w
     assert torch.equal(p.grad, torch.full_like(p.grad, 3.0))  # (W ranks * 3.0) / W
     sim.assert_on_host({"sharded_grad": flat.sharded_grad})
     assert sim.violations == []  # (tests/sim_table.py shows this fails without the record_stream)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_reductions_of_one_flat_parameter_in_one_backward_are_summed(world):
+    """A flat parameter reduced twice before the end of backward (the engine allows it; e.g. a unit whose
+    gradient hook fires once per inner backward): each copy lands in its own host buffer, concurrently,
+    and the host adds them (not the second one written over the first and then added to itself)."""
+    from accel_flatshard.engine import Engine
+    from sim_cuda import SimulatedCuda, sim_adapter
+    from test_streams import _flat_with_grad, _IdenticalRanksGroup
+
+    sim = SimulatedCuda()
+    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=sim_adapter(sim), offload=True)
+    flat, p, grad = _flat_with_grad(world, 3.0, torch.float32)
+    with sim:
+        for expected in (8.0, 16.0):  # two backwards (accumulating): the second reuses the first's buffers
+            engine.reduce_grad(flat, torch.full_like(grad, 3.0), "w")  # (the engine divides it in place)
+            engine.reduce_grad(flat, torch.full_like(grad, 5.0), "w")
+            engine.finish_reduces()
+            assert torch.equal(p.grad, torch.full_like(p.grad, expected)), p.grad  # 3 + 5 (+ 3 + 5)
+    assert sim.violations == []
+    assert len(engine.offload.host_buffers) == 3  # sharded_grad + two staging buffers, allocated once
