@@ -162,6 +162,7 @@ class _Buffer:
     alloc_stream: SimStream
     nbytes: int
     placement: str = "device"
+    alloc_pos: int = 0  # the allocating stream's position: its pool's block may be in use by work up to there
     key: int = 0  # the storage's ``_cdata``
     label: Optional[str] = None  # a name given by the test (``sim.name``) or at the engine's note_alloc
     pinned: bool = False
@@ -266,13 +267,14 @@ class SimulatedCuda(TorchDispatchMode):
                 buf = self._new(storage, stream, kind, "host")
             else:
                 buf = self._new(storage, self.default_stream(self.device_index), kind)
+                buf.alloc_pos = 0  # before the simulation: before any op of the simulated streams
         return buf
 
     def _new(self, storage: torch.UntypedStorage, stream: SimStream, kind: str, placement: str = "device") -> _Buffer:
         key = storage._cdata
         if key in self._buffers:  # a storage seen before and re-allocated (a resize): the old life ends
             self._tally(self._buffers.pop(key), -1)
-        buf = _Buffer(kind, stream, storage.nbytes(), placement, key=key)
+        buf = _Buffer(kind, stream, storage.nbytes(), placement, alloc_pos=stream.pos, key=key)
         self._buffers[key] = buf
         if key not in self._finalizers:
             self._finalizers.add(key)
@@ -423,6 +425,14 @@ class SimulatedCuda(TorchDispatchMode):
 
     def _check(self, buf: _Buffer, stream: SimStream, is_write: bool, op: str) -> None:
         """Violations name the tensor, the stream (``host`` for host work) and the op."""
+        unwritten_there = buf.write is None or buf.write[0] is not buf.alloc_stream  # (else: the check below)
+        if (buf.placement == "device" and unwritten_there and stream is not buf.alloc_stream
+                and stream not in buf.uses and not stream.knows(buf.alloc_stream, buf.alloc_pos)):
+            # the caching allocator's pools are per stream: the block may still be in use by the allocating
+            # stream's earlier work (a buffer freed there and reused), which this stream is not ordered after
+            self.violations.append(f"{self._describe(buf)} used on {stream.name} before it waited for its "
+                                   f"allocation on {buf.alloc_stream.name} (by {op}; that stream's pool block may "
+                                   "still be in use there)")
         if buf.write is not None:
             w_stream, w_pos = buf.write
             if not stream.knows(w_stream, w_pos):
@@ -460,7 +470,11 @@ class SimulatedCuda(TorchDispatchMode):
             self._free(storage_key)
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
-        buf = self._buffers.get(tensor.untyped_storage()._cdata)
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:  # resized to 0 already: the block went back to its pool, nothing to keep
+            self.log.append(("record_stream of an empty storage", stream.name, None))
+            return
+        buf = self._buffers.get(storage._cdata)
         if buf is not None:
             buf.recorded.add(stream)
 

@@ -134,3 +134,51 @@ def test_a_buffer_freed_after_a_recorded_stream_waited_for_its_use_is_safe():
         sim.record_stream(y, compute)  # kept for the compute stream, which waited for the third
         del y
     assert sim.violations == []
+
+
+@pytest.mark.parametrize("order", ["record_stream-then-resize", "resize-then-record_stream"])
+def test_record_stream_of_a_storage_already_resized_to_0_keeps_nothing(order):
+    """On a GPU, resizing the storage to 0 hands the block back to its stream's pool at once; a later
+    ``record_stream`` of the empty storage does nothing, so the other stream's read is unprotected."""
+    sim, compute, side = _sim()
+    gathered = torch.empty(0)
+    with sim:
+        with sim.stream(side):
+            gathered.untyped_storage().resize_(16)
+            sim.alloc(gathered, "unsharded", key="flat")  # allocated on the all-gather stream
+            gathered.fill_(1.0)  # the all-gather
+        compute.wait_stream(side)
+        gathered.sum()  # read by the compute stream
+        if order == "record_stream-then-resize":
+            sim.record_stream(gathered, compute)
+        gathered.untyped_storage().resize_(0)
+        if order == "resize-then-record_stream":
+            sim.record_stream(gathered, compute)
+        sim.free("flat")
+    if order == "record_stream-then-resize":
+        assert sim.violations == []
+    else:
+        (violation,) = sim.violations
+        assert "freed while compute0 may still use it" in violation
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_buffer_allocated_on_one_stream_is_used_on_another_only_after_the_allocation(ordered):
+    """Per-stream pools: a block allocated on the compute stream may still be in use by the compute stream's
+    earlier work (a buffer freed there), so a side stream must be ordered after the allocation before it
+    writes the block (here: a resize, not an op, so no write covers it)."""
+    sim, compute, side = _sim()
+    buffer = torch.empty(0)
+    with sim:
+        torch.ones(4).mul_(2)  # earlier compute-stream work
+        buffer.untyped_storage().resize_(16)
+        sim.alloc(buffer, "unsharded", key="flat")  # allocated on the compute stream (current)
+        if ordered:
+            side.wait_stream(compute)
+        with sim.stream(side):
+            buffer.fill_(1.0)  # first written by the side stream
+    if ordered:
+        assert sim.violations == []
+    else:
+        (violation,) = sim.violations
+        assert violation.startswith("unsharded") and "before it waited for its allocation on compute0" in violation

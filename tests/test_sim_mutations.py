@@ -2,7 +2,8 @@
 
 tests/sim_table.py derives its rows from the code (every stream wait, event, record_stream, copy and
 engine wait, removed or moved to the compute stream).  What it cannot derive is listed here: a swapped
-divide factor, a loop bound, a stream's priority or role, a placement, a buffer reused.  Each row is
+divide factor, a loop bound, a stream's priority or role, a placement, a buffer reused, two calls in
+swapped order, the stream a buffer is allocated on.  Each row is
 (file, exact original text, replacement, the tests of ``tests_file`` (``-k``) that must fail); it is
 applied to a copy of the package and run like a derived row (``sim_table.run_mutation``).  The original
 text must be in today's source, so a refactor that moves or rewrites a line is reported here rather than
@@ -46,6 +47,16 @@ MUTATIONS = [
     Mutation("inputs not moved to the model's device", "unit.py",
              "        args, kwargs = self.engine.streams.move_inputs(args, kwargs)",
              "        pass", ("inputs_are_moved",)),
+    Mutation("record_stream after the storage was resized to 0 (order swap)", "engine.py",
+             "        s.record_stream(flat.unsharded, compute)\n        flat.free_unsharded()\n",
+             "        flat.free_unsharded()\n        s.record_stream(flat.unsharded, compute)\n",
+             ("trains_exactly_like_the_plain_model",)),
+    Mutation("gathered buffer allocated on the compute stream (allocation stream)", "engine.py",
+             "            with s.on(self.all_gather_stream):\n                out = flat.alloc_unsharded()\n"
+             "                s.note_alloc(out, \"unsharded\", flat)\n",
+             "            out = flat.alloc_unsharded()\n            s.note_alloc(out, \"unsharded\", flat)\n"
+             "            with s.on(self.all_gather_stream):\n",
+             ("trains_exactly_like_the_plain_model",)),
     Mutation("offload: shard left on the device", "offload.py",
              "        flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()\n",
              "        pass\n", ("trains_exactly_like_the_plain_model_with_nothing",), "tests/test_offload_sim.py"),
