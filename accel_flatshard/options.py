@@ -105,6 +105,10 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "gathered bytes one `generate()` may hold per rank; `auto`: half the free device memory when it "
            "starts", _parser(lambda text: None if text.lower() == "auto" else int(float(text) * 2**20),
                              "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0)),
+    Option("FLATSHARD_ASYNC_SAVE", "bool", False, "0",
+           "`save_state` (Accelerator, Trainer) returns once the model and optimizer state is copied to host memory "
+           "and writes the files in the background (README Checkpoints); `save_state(..., async_save=...)` "
+           "overrides it", _bool),
     Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0",
            "no-grad forwards of a model (e.g. a frozen reference model) keep its units gathered until the next "
            "optimizer step", _bool),

@@ -5,6 +5,8 @@
   directory format (``flatshard.json``, checksums, the allow-list reader of DCP's metadata);
 * :mod:`.dcp` - the DCP planners and storage layer (the one user of DCP internals);
 * :mod:`.atomic` - the project's one file writer (temporary file, fsync, rename);
+* :mod:`.commit` - crash-consistent ``save_state`` directories (commit marker, :func:`newest_complete_checkpoint`,
+  pruning) and the asynchronous save (host snapshot, background writer);
 * :mod:`.offline` - :func:`read_checkpoint_info`, :func:`read_full_tensors`, :func:`consolidate` (sharded model ->
   HF safetensors), and the same for ``accelerator.save_state`` directories.
 
@@ -14,6 +16,7 @@ are importable from here too, as the README documents them.
 from ..state_dict import (CheckpointError, UnsafeCheckpointError, full_optim_state_dict, full_state_dict,
                           load_full_optim_state_dict, load_full_state_dict, optim_state_dict_from_torch,
                           optim_state_dict_to_torch)
+from .commit import newest_complete_checkpoint
 from .offline import consolidate, read_checkpoint_info, read_full_tensors
 from .sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
 
@@ -21,5 +24,5 @@ __all__ = [
     "CheckpointError", "UnsafeCheckpointError", "full_state_dict", "load_full_state_dict", "save_sharded_model",
     "load_sharded_model", "full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch",
     "optim_state_dict_from_torch", "save_sharded_optimizer", "load_sharded_optimizer", "read_checkpoint_info",
-    "read_full_tensors", "consolidate",
+    "read_full_tensors", "consolidate", "newest_complete_checkpoint",
 ]

@@ -70,25 +70,38 @@ def save_sharded_model(model: nn.Module, directory: str) -> None:
     Collective.  Atomic: the data goes to ``<directory>.tmp-<random>``, which replaces ``directory``
     only once complete.
     """
+    group, entries, meta = model_entries(model)
+    save_entries(group, directory, entries, meta)
+
+
+def model_entries(model: nn.Module) -> Tuple[Any, Dict[str, Entry], Dict[str, Any]]:
+    """``(group, entries, meta)`` that :func:`save_entries` writes for ``model``: this rank's live slices (the
+    asynchronous save copies them to host memory first, ``checkpoint/commit.py``)."""
     index = ModelIndex(model, "save_sharded_model")
     rank0 = index.group.world_rank == 0
     if index.extra and rank0:
         warnings.warn(f"save_sharded_model: non-tensor state {sorted(index.extra)} is not saved in sharded checkpoints",
-                      stacklevel=2)
+                      stacklevel=3)
     entries: Dict[str, Entry] = {}
     if index.group.replica_index == 0:
         entries.update((name, _range(info, info.local())) for name, info in index.params.items())
     if rank0:
         entries.update((name, buf.detach()) for name, buf in index.buffers.items())
-    save_entries(index.group, directory, entries, {
+    return index.group, entries, {
         "kind": "model", "model_class": type(index.module).__name__, "tensors": index.describe(),
         "flat_params": [{"numel": f.layout.unpadded_numel, "padded_numel": f.layout.padded_numel,
                          "dtype": dtype_to_str(f.dtype), "params": [s.fqn for s in f.layout.slots]}
-                        for f in index.flat_params]})
+                        for f in index.flat_params]}
 
 
 def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Write this rank's optimizer state pieces to ``directory`` (collective, atomic)."""
+    group, entries, meta = optimizer_entries(model, optimizer)
+    save_entries(group, directory, entries, meta)
+
+
+def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], Dict[str, Any]]:
+    """``(group, entries, meta)`` of the optimizer state, as :func:`model_entries` for the model."""
     index = ModelIndex(model, "save_sharded_optimizer")
     groups = optimizer_groups(index, optimizer)
     schema = state_schema(groups, optimizer, index.group)
@@ -109,10 +122,10 @@ def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
                     entries[name] = own.detach().cpu()
             else:
                 values.setdefault(info.fqn, {})[key] = encode_value(value, f"optimizer state {info.fqn!r}[{key!r}]")
-    save_entries(index.group, directory, entries, {
+    return index.group, entries, {
         "kind": "optimizer", "optimizer_class": type(optimizer).__name__, "model_class": type(index.module).__name__,
         "param_shapes": {n: list(i.shape) for n, i in index.params.items()}, "tensors": tensors, "values": values,
-        "param_groups": encode_groups(optimizer, groups)})
+        "param_groups": encode_groups(optimizer, groups)}
 
 
 def _range(info: ParamInfo, local: torch.Tensor) -> FlatRange:

@@ -78,6 +78,7 @@ class Accelerator(_BaseAccelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options.check_environment()
+        self.flatshard_async_save: bool = options.get("FLATSHARD_ASYNC_SAVE")  # save_state's default
         bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
@@ -288,10 +289,12 @@ class Accelerator(_BaseAccelerator):
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Model and optimizer per ``fsdp_state_dict_type`` (FULL: rank 0 writes one file each; SHARDED: every
-        rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate."""
+        rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate;
+        ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and optimizer in the background."""
         if self._flatshard_options is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        return fsdp_utils_shim.save_state(self, output_dir, safe_serialization)
+        return fsdp_utils_shim.save_state(self, output_dir, safe_serialization,
+                                          async_save=save_model_func_kwargs.pop("async_save", None))
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
@@ -299,6 +302,11 @@ class Accelerator(_BaseAccelerator):
         if self._flatshard_options is None:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
         fsdp_utils_shim.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def end_training(self) -> None:
+        """accelerate's, after the asynchronous save in flight (if any) is written (its failure raises here)."""
+        fsdp_utils_shim.wait_for_saves()
+        super().end_training()
 
 
 # ---------------------------------------------------------------------- helpers

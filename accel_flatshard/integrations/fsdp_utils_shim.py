@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,19 +38,22 @@ from accelerate.checkpointing import load_accelerator_state, load_custom_state, 
 from accelerate.checkpointing import save_custom_state
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import fsdp_utils as _accelerate_fsdp_utils
-from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
 from .. import comm
-from ..checkpoint.atomic import write_atomic
+from ..checkpoint import commit
+from ..checkpoint.atomic import write_atomic, write_json_atomic
 from ..checkpoint.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
+from ..checkpoint.sharded import model_entries, optimizer_entries, save_entries
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
 from ..state_dict.optim import full_optim_state_dict, load_full_optim_state_dict
 
-__all__ = ["save_state", "load_state", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
+__all__ = ["save_state", "load_state", "wait_for_saves", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
            "load_fsdp_optimizer", "state_dict_type_name"]
 
 logger = logging.getLogger(__name__)
+wait_for_saves = commit.wait_for_saves  # end_training: the save in flight first
 
 _ORIGINALS: Dict[str, Callable[..., Any]] = {
     name: getattr(_accelerate_fsdp_utils, name)
@@ -219,30 +222,92 @@ def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., 
         optimizer_fn(acc.state.fsdp_plugin, acc, opt, model, directory, optimizer_index=i)
 
 
-def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True) -> str:
-    """``Accelerator.save_state`` for accel_flatshard models (see the module docstring)."""
+def _parts(acc: Any, sharded: bool) -> List[str]:
+    """What a ``save_state`` directory holds once complete (``checkpoint/commit.py``'s manifest)."""
+    models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
+    parts = []
+    for base, count in ((FSDP_MODEL_NAME, len(models)), (OPTIMIZER_NAME, len(acc._optimizers))):
+        parts += [accelerate_names(base, i)[0] + "/" if sharded else accelerate_names(base, i)[1] for i in range(count)]
+    parts += [f"{SCHEDULER_NAME}.bin" if i == 0 else f"{SCHEDULER_NAME}_{i}.bin" for i in range(len(acc._schedulers))]
+    parts += [f"random_states_{r}.pkl" for r in range(acc.num_processes)]
+    return parts + [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
+
+
+def _snapshot_part(acc: Any, output_dir: str, names: Tuple[str, str], entries: Callable[[], Tuple[Any, Dict, Dict]],
+                   gather_full: Callable[[], Dict[str, Any]], readies: List[Callable[[], None]]) -> Tuple[str, Callable]:
+    """This step's state of one model or optimizer in host memory (collective), and the writer of its part."""
+    sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
+    path = os.path.join(output_dir, names[0] if sharded else names[1])
+    if sharded:
+        group, live, meta = entries()
+        snapshot, ready = commit.snapshot_entries(live)
+        readies.append(ready)
+        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
+        return path, lambda writer: save_entries(writer, path, snapshot, meta)
+    state = gather_full()  # CPU copies on rank 0 (its snapshot), {} elsewhere
+    main = acc.process_index == 0
+    return path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def _run_all(calls: List[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True,
+               async_save: Optional[bool] = None) -> str:
+    """``Accelerator.save_state`` for accel_flatshard models (see the module docstring); ``async_save`` (default:
+    ``accelerator.flatshard_async_save``, from ``FLATSHARD_ASYNC_SAVE``) returns once the state is in host memory
+    and writes it in the background (``checkpoint/commit.py``)."""
+    if commit.SAVES.in_flight is not None:
+        commit.wait_for_saves()
+    # the default: FLATSHARD_ASYNC_SAVE, read when the Accelerator was made
+    background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
     if config.automatic_checkpoint_naming:
         output_dir = os.path.join(acc.project_dir, "checkpoints")
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
     os.makedirs(output_dir, exist_ok=True)
+    root = output_dir
     if config.automatic_checkpoint_naming:
-        folders = [os.path.join(output_dir, f) for f in os.listdir(output_dir)]
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and acc.is_main_process:
-            folders.sort(key=_checkpoint_number)
-            logger.warning(f"Deleting {len(folders) + 1 - config.total_limit} checkpoints to make room for new checkpoint.")
-            for folder in folders[: len(folders) + 1 - config.total_limit]:
-                shutil.rmtree(folder)
-        output_dir = os.path.join(output_dir, f"checkpoint_{acc.save_iteration}")
-        if os.path.exists(output_dir):
+        if acc.is_main_process:  # never the newest complete checkpoint (commit.prune_checkpoints)
+            commit.prune_checkpoints(root, config.total_limit, reserve=1)
+        output_dir = os.path.join(root, f"checkpoint_{acc.save_iteration}")
+        if os.path.exists(output_dir) and commit.missing_parts(output_dir) is None:
             raise ValueError(
                 f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually override "
                 "`self.save_iteration` with what iteration to start with.")
         acc.wait_for_everyone()
+        if acc.is_main_process and os.path.exists(output_dir):  # an interrupted save's leftovers
+            shutil.rmtree(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     logger.info(f"Saving current state to {output_dir}")
-    _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
+    sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
+    manifest = {"parts": _parts(acc, sharded), "step": acc.step, "world_size": acc.num_processes}
+    if acc.is_main_process:  # the directory is incomplete from here until the commit marker is written again
+        if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
+            os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
+        write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
+    acc.wait_for_everyone()
+    parts: List[Tuple[str, Callable[[Any], None]]] = []
+    readies: List[Callable[[], None]] = []
+    if background:
+        def snapshot_model(plugin: Any, accelerator: Any, model: Any, directory: str, model_index: int) -> None:
+            wrapped = find_wrapper(model)
+            parts.append(_snapshot_part(acc, directory, accelerate_names(FSDP_MODEL_NAME, model_index),
+                                        lambda: model_entries(wrapped), lambda: full_state_dict(wrapped), readies))
+
+        def snapshot_optimizer(plugin: Any, accelerator: Any, opt: Any, model: Any, directory: str,
+                               optimizer_index: int) -> None:
+            wrapped, plain = find_wrapper(model), plain_optimizer(opt)
+            parts.append(_snapshot_part(acc, directory, accelerate_names(OPTIMIZER_NAME, optimizer_index),
+                                        lambda: optimizer_entries(wrapped, plain),
+                                        lambda: full_optim_state_dict(wrapped, plain), readies))
+
+        _each_model_and_optimizer(acc, output_dir, snapshot_model, snapshot_optimizer)
+    else:
+        _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
     for hook in acc._save_model_state_pre_hook.values():
         hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
     save_on_each_node = config.save_on_each_node
@@ -255,23 +320,42 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     for i, obj in enumerate(acc._custom_objects):
         save_custom_state(obj, output_dir, i, save_on_each_node=save_on_each_node)
     config.iteration += 1
-    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files
+
+    def commit_marker() -> None:  # rank 0, once every rank's parts are written (the last file of the save)
+        write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
+        os.remove(os.path.join(output_dir, commit.PENDING_FILE))
+        if config.automatic_checkpoint_naming:
+            commit.prune_checkpoints(root, config.total_limit)
+
+    if background:
+        shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
+        writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
+        commit.start_save(output_dir, parts, writer, lambda: _run_all(readies), commit_marker, background=True)
+        return str(save_location)
+    acc.wait_for_everyone()  # every rank's files are written
+    if acc.is_main_process:
+        commit_marker()
+    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files and the marker
     return str(save_location)
 
 
 def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] = None,
                **load_model_func_kwargs: Any) -> None:
-    """``Accelerator.load_state`` for accel_flatshard models; the layout (FULL or SHARDED) is read from disk."""
+    """``Accelerator.load_state`` for accel_flatshard models; the layout (FULL or SHARDED) is read from disk.
+    An incomplete checkpoint is refused; without ``input_dir`` (automatic naming) the newest complete one loads
+    and the next ``save_state`` continues its numbering."""
+    commit.wait_for_saves()
     if input_dir is not None:
         input_dir = os.path.expanduser(input_dir)
         if not os.path.isdir(input_dir):
             raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+        commit.check_complete(input_dir)
     elif acc.project_configuration.automatic_checkpoint_naming:
         root = os.path.join(acc.project_dir, "checkpoints")
-        folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_checkpoint_number)
-        if not folders:
-            raise ValueError(f"no checkpoint_<n> folder in {root}")
-        input_dir = folders[-1]
+        input_dir = commit.newest_complete_checkpoint(root)
+        if input_dir is None:
+            raise ValueError(f"no complete checkpoint_<n> folder in {root}")
+        acc.project_configuration.iteration = _checkpoint_number(input_dir) + 1
     else:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     logger.info(f"Loading states from {input_dir}")

@@ -1,0 +1,275 @@
+"""Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
+
+A directory written by ``save_state`` (``integrations/fsdp_utils_shim.py``) or a Trainer checkpoint is
+*complete* only once its commit marker :data:`COMPLETE_FILE` exists.  Rank 0 first writes :data:`PENDING_FILE`
+naming every part the save will write (model and optimizer directories or files, each rank's RNG file, ...), and
+writes the commit marker last, atomically, after every rank reported its parts written.  So a save interrupted
+anywhere (a rank SIGKILLed mid-write) leaves a directory without the marker, and:
+
+* :func:`missing_parts` / :func:`check_complete` say what is missing (``load_state`` refuses such a directory);
+* :func:`newest_complete_checkpoint` skips it (``load_state()`` under automatic naming, the Trainer's
+  ``resume_from_checkpoint=True``, and user code that resumes by itself);
+* :func:`prune_checkpoints` (``total_limit`` / ``save_total_limit``) never deletes the newest complete checkpoint,
+  also while a newer one is still being written.
+
+A directory with neither marker was not written by this version (plain accelerate, older accel_flatshard): it is
+judged by its files, as before; an empty one is incomplete.
+
+Asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or ``save_state(..., async_save=True)``): :func:`snapshot_entries`
+copies this rank's state to host memory (CPU: a host copy; CUDA: pinned buffers filled on the ``checkpoint`` side
+stream of the engine's device adapter, which first waits for the compute stream, and which the compute stream
+then waits for, so no later optimizer step can change a tensor before it is copied; the host does not block).
+:func:`start_save` runs the writes on a background thread over a gloo group of their own (the training's
+collectives never interleave with the writer's), then gathers every rank's outcome and lets rank 0 commit.  At
+most one save is in flight per process: :func:`wait_for_saves` (the next ``save_state``, ``load_state``,
+``end_training``, interpreter exit) joins it and raises its failure, naming the file, on every rank.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..engine import CudaStreams
+from ..state_dict.model import CheckpointError
+from .atomic import write_json_atomic
+from .dcp import Entry, FlatRange
+
+__all__ = ["COMPLETE_FILE", "PENDING_FILE", "missing_parts", "check_complete", "newest_complete_checkpoint",
+           "prune_checkpoints", "snapshot_entries", "snapshot_bytes", "start_save", "wait_for_saves", "writer_group",
+           "SAVES"]
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_FILE = "flatshard_complete.json"  # the commit marker, written last
+PENDING_FILE = "flatshard_pending.json"  # the parts a save will write, written first
+_NUMBERED = re.compile(r"[^.\d]*?(\d+)")  # checkpoint_12 (accelerate), checkpoint-12 (Trainer), step_12, 12
+
+
+# ---------------------------------------------------------------------- is a directory complete?
+def _part_present(directory: str, part: str) -> bool:
+    path = os.path.join(directory, part.rstrip("/"))
+    if part.endswith("/"):  # a sharded (DCP) directory: complete once renamed in with its flatshard.json
+        return os.path.isfile(os.path.join(path, "flatshard.json"))
+    return os.path.isfile(path)
+
+
+def missing_parts(directory: str) -> Optional[List[str]]:
+    """None when ``directory`` is a complete checkpoint, else what is missing (see the module docstring)."""
+    marker = os.path.join(directory, COMPLETE_FILE)
+    manifest = marker if os.path.isfile(marker) else os.path.join(directory, PENDING_FILE)
+    if not os.path.isfile(manifest):
+        return None if os.listdir(directory) else ["everything (the directory is empty)"]
+    try:
+        with open(manifest) as f:
+            parts = json.load(f)["parts"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"a readable {os.path.basename(manifest)} ({type(exc).__name__}: {exc})"]
+    missing = [p for p in parts if not _part_present(directory, p)]
+    if not os.path.isfile(marker):
+        missing.append(f"{COMPLETE_FILE} (the commit marker: the save did not finish)")
+    return missing or None
+
+
+def check_complete(directory: str) -> None:
+    """Raise :class:`CheckpointError` naming what is missing when ``directory`` is not a complete checkpoint."""
+    missing = missing_parts(directory)
+    if missing:
+        parent = os.path.dirname(os.path.abspath(directory))
+        raise CheckpointError(
+            f"{directory} is an incomplete checkpoint (its save was interrupted); missing: {', '.join(missing)}. "
+            f"Load the previous one: accel_flatshard.checkpoint.newest_complete_checkpoint({parent!r}) finds it")
+
+
+def _numbered_dirs(root: str) -> List[Tuple[int, str]]:
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := _NUMBERED.fullmatch(name)) and os.path.isdir(os.path.join(root, name))]
+    return sorted(found)
+
+
+def newest_complete_checkpoint(root: str) -> Optional[str]:
+    """The complete checkpoint folder of ``root`` with the highest number (``checkpoint_<n>``,
+    ``checkpoint-<n>``, ...), skipping incomplete ones (logged); None when there is none."""
+    for _, path in reversed(_numbered_dirs(root)):
+        missing = missing_parts(path)
+        if missing is None:
+            return path
+        logger.warning(f"skipping incomplete checkpoint {path} (missing: {', '.join(missing)})")
+    return None
+
+
+def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0) -> List[str]:
+    """Delete the oldest numbered folders of ``root`` (incomplete ones first) until at most ``total_limit -
+    reserve`` remain (``reserve``: folders about to be created), never the newest complete one: with
+    ``total_limit=1`` the previous checkpoint stays until the next one committed.  Returns the deleted paths."""
+    if not total_limit or total_limit <= 0:
+        return []
+    folders = [path for _, path in _numbered_dirs(root)]
+    keep = newest_complete_checkpoint(root)
+    incomplete = [p for p in folders if missing_parts(p) is not None]
+    doomed = incomplete + [p for p in folders if p not in incomplete and p != keep]
+    deleted: List[str] = []
+    for path in doomed:
+        if len(folders) - len(deleted) <= max(total_limit - reserve, 0):
+            break
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    if deleted:
+        logger.warning(f"total_limit {total_limit}: deleted {deleted}")
+    return deleted
+
+
+# ---------------------------------------------------------------------- host snapshot
+_ADAPTERS: Dict[torch.device, CudaStreams] = {}
+
+
+def snapshot_entries(entries: Dict[str, Entry]) -> Tuple[Dict[str, Entry], Callable[[], None]]:
+    """Host copies of ``entries`` as they are now; the returned ``ready()`` blocks until the copies are done
+    (immediately on CPU).  Later changes to the originals never reach the copies (module docstring)."""
+    out: Dict[str, Entry] = {}
+    events: List[Tuple[CudaStreams, Any]] = []
+    by_device: Dict[torch.device, List[str]] = {}
+    for key, entry in entries.items():
+        tensor = entry.local if isinstance(entry, FlatRange) else entry
+        by_device.setdefault(tensor.device, []).append(key)
+    for device, keys in by_device.items():
+        if device.type == "cuda":
+            adapter = _ADAPTERS.setdefault(device, CudaStreams(device))
+            side, compute = adapter.side_stream("checkpoint"), adapter.compute_stream()
+            adapter.wait_stream(side, compute)  # the copies see every update queued so far
+        for key in keys:
+            entry = entries[key]
+            tensor = (entry.local if isinstance(entry, FlatRange) else entry).detach()
+            if device.type == "cuda":
+                host = adapter.host_empty(tensor.numel(), tensor.dtype)
+                with adapter.on(side):
+                    adapter.to_host(tensor.reshape(-1), host)
+                adapter.record_stream(tensor, side)
+                host = host.view(tensor.shape)
+            else:
+                host = tensor.clone()
+            out[key] = FlatRange(host, entry.start, entry.shape) if isinstance(entry, FlatRange) else host
+        if device.type == "cuda":
+            event = adapter.record(side)
+            adapter.wait_event(compute, event)  # later in-place updates run after the copies
+            events.append((adapter, event))
+
+    def ready() -> None:
+        for stream_adapter, event in events:
+            stream_adapter.synchronize(event)
+
+    return out, ready
+
+
+def snapshot_bytes(entries: Dict[str, Entry]) -> int:
+    """Host bytes a snapshot of ``entries`` holds."""
+    return sum((e.local if isinstance(e, FlatRange) else e).numel() * (e.local if isinstance(e, FlatRange) else e)
+               .element_size() for e in entries.values())
+
+
+# ---------------------------------------------------------------------- the background writer
+_WRITER_GROUPS: Dict[Any, Any] = {}
+
+
+def writer_group(world: Optional[dist.ProcessGroup], shard_size: Optional[int] = None) -> Any:
+    """A group for ``save_entries`` whose collectives run on a gloo group of their own over the ranks of
+    ``world`` (made on first use: collective, on the main thread), so a background writer never interleaves
+    with the training's collectives.  None: one process."""
+    if world is None:
+        return None
+    if world not in _WRITER_GROUPS:
+        _WRITER_GROUPS.clear()  # a group of an earlier, destroyed process group is dead
+        _WRITER_GROUPS[world] = comm.new_gloo_group(world)
+    pg = _WRITER_GROUPS[world]
+    return SimpleNamespace(world_group=pg, world_rank=dist.get_rank(pg), world_size=dist.get_world_size(pg),
+                           shard_size=shard_size or dist.get_world_size(pg))
+
+
+class _Save:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.error: Optional[str] = None
+        self.thread: Optional[threading.Thread] = None
+
+
+class _Saves:
+    in_flight: Optional[_Save] = None  # read as ``SAVES.in_flight`` (no call) by the synchronous save_state
+
+
+SAVES = _Saves()
+
+
+def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]], group: Any,
+               ready: Callable[[], None], commit: Callable[[], None], background: bool) -> None:
+    """Run every ``write(group)`` of ``parts`` ((what, write) pairs; ``group`` from :func:`writer_group`), then
+    gather every rank's outcome over ``group``; when all succeeded, rank 0 calls ``commit()`` (the commit marker).
+    ``background``: on a thread (the caller returns at once), else here.  Waits for the previous save first."""
+    wait_for_saves()
+    save = _Save(directory)
+
+    def job() -> None:
+        status = None
+        try:
+            ready()
+            for what, write in parts:
+                status = what
+                write(group)
+            status = None
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank, raised by wait_for_saves
+            rank = 0 if group is None else group.world_rank
+            status = f"rank {rank} writing {status}: {type(exc).__name__}: {exc}"
+        statuses = [status] if group is None else comm.all_gather_object(group.world_group, status)
+        failed = [s for s in statuses if s]
+        if not failed and (group is None or group.world_rank == 0):
+            try:
+                commit()
+            except Exception as exc:  # noqa: BLE001
+                failed = [f"rank 0 committing {os.path.join(directory, COMPLETE_FILE)}: {type(exc).__name__}: {exc}"]
+        if failed:
+            save.error = (f"saving {directory} failed, the checkpoint is incomplete (no {COMPLETE_FILE}): "
+                          + "; ".join(failed))
+
+    if not background:
+        job()
+        _raise(save)
+        return
+    save.thread = threading.Thread(target=job, name=f"accel_flatshard save {directory}", daemon=True)
+    SAVES.in_flight = save
+    save.thread.start()
+
+
+def _raise(save: _Save) -> None:
+    if save.error is not None:
+        raise CheckpointError(save.error)
+
+
+def wait_for_saves() -> None:
+    """Wait for the save in flight (if any); raise its failure (every rank raises: outcomes were gathered)."""
+    save, SAVES.in_flight = SAVES.in_flight, None
+    if save is None or save.thread is None:
+        return
+    save.thread.join()
+    _raise(save)
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait_for_saves()
+    except CheckpointError as exc:  # nobody is left to raise it to: say it loudly
+        logger.error(str(exc))
+        print(f"accel_flatshard: {exc}", flush=True)
+
+
+atexit.register(_wait_at_exit)
