@@ -1,28 +1,28 @@
 """CUDA checks of accel_flatshard (run part by part by gpu_check.sh; each part prints one verdict line).
 
-    python benchmarks/gpu_check.py --part w1 --out DIR        # one GPU: parity + overlap at W=1
+    python benchmarks/gpu_check.py --part w1                  # one GPU: parity at W=1 (both modes)
+    python benchmarks/gpu_check.py --part overlap --out DIR   # one GPU: comm/compute overlap at W=1
     python benchmarks/gpu_check.py --part nccl-1gpu           # one GPU: the engine's real NCCL collectives
     python benchmarks/gpu_check.py --part leak                # one GPU: a deleted wrapped model frees the device
     python benchmarks/gpu_check.py --part fake-w8 --out DIR   # one GPU: emulated W=8 memory vs FSDP2
     torchrun --nproc_per_node N benchmarks/gpu_check.py --part nccl   # N >= 2 GPUs: NCCL parity
-    python benchmarks/gpu_check.py --device cpu --part w1 nccl-1gpu leak fake-w8   # CPU smoke (tiny)
+    python benchmarks/gpu_check.py --device cpu --part w1 overlap nccl-1gpu leak fake-w8   # CPU smoke
 
-Part w1:
-1. Parity (fp32, TF32 off): GPT-2 and Llama, wrapped per block with several engine settings (the default
-   prefetch schedule, no prefetch, no reshard, BACKWARD_POST with limit 1), train AdamW steps next to the
-   plain model; losses and final parameters must agree (W=1: same math).
-2. Mixed precision smoke: bf16 parameters, fp32 reduction: finite losses close to the fp32 run.
-3. Overlap: a larger Llama with forward and backward prefetch; at W=1 there is no real communication,
-   so each all-gather / reduce-scatter is emulated on the engine's side streams by ``--comm-repeat``
-   device copies of the full buffer.  torch.profiler records the kernels; reported: the fraction of
-   side-stream (communication) time that overlaps compute-stream kernels, and the exposed
-   communication = step time with emulated comm - step time without, against the comm time itself.
+Part w1: parity (fp32, TF32 off, deterministic kernels), as is and in slow-GPU mode (``gpu_check_slow.py``):
+   GPT-2 and Llama, wrapped per block with several engine settings (the default prefetch schedule, no
+   prefetch, no reshard, BACKWARD_POST with limit 1), train AdamW steps next to the plain model; losses and
+   final parameters must agree (W=1: same math).  Mixed precision smoke: bf16 parameters, fp32 reduction:
+   finite losses close to the fp32 run.
+Part overlap (``gpu_check_overlap.py``, its own process): emulated communication on the side streams,
+   profiled, against the ceiling the schedule allows.
 Part nccl-1gpu (``gpu_check_nccl.py``): a 1-rank NCCL group with the W=1 shortcut off: the engine's
-   all-gathers, reduce-scatters and hybrid replica all-reduces are real NCCL calls on its side streams.
+   all-gathers, reduce-scatters and hybrid replica all-reduces are real NCCL calls; the profiler shows on
+   which stream each ran; parity as is and in slow-GPU mode.
 Part leak (``leak``): wrapped models trained, generating, state-dict'ed (with and without offload) and
    then deleted leave no device memory allocated and no live wrapper.
 Part fake-w8 (``fake_w8``): peak device memory while wrapping a host model (<= shards + one unit) and
-   while training (<= shards + Adam + gathered units in flight + pending full gradients + activations),
+   while training (<= shards + Adam + gathered units in flight + pending full gradients + what the plain
+   model needs above its parameters with each gradient dropped as it is produced),
    and torch FSDP2's peak on the same model (informational: its failure does not fail the part).
 Part nccl (``nccl_parity``): W >= 2 ranks on real NCCL vs the single-process run.
 A part fails on a failed check or an exception (printed); the other parts of the same call still run.
@@ -36,18 +36,19 @@ import contextlib
 import copy
 import datetime
 import gc
-import json
 import os
 import sys
 import time
 import traceback
-import types
 import weakref
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpu_check_slow import MODES, lag, slow_gpu  # noqa: E402
 
 from accel_flatshard import (  # noqa: E402
     BackwardPrefetch,
@@ -81,7 +82,9 @@ def train(model, data, lr=1e-3):
     losses = []
     for x in data:
         loss = model(input_ids=x, labels=x).loss
+        lag()  # slow-GPU mode: the compute stream falls behind before the backward ...
         loss.backward()
+        lag()  # ... and before the optimizer writes the parameters
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -109,132 +112,27 @@ def parity(device, steps: int, tol: float) -> bool:
         ref = small_model(family).to(device)
         ref_losses = train(ref, data)
         ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        for name, kw in SETTINGS.items():
-            wrapped = wrap(small_model(family).to(device), **kw)
-            losses = train(wrapped, data)
-            with wrapped.summon_full_params():
-                pdiff = max((p.detach() - ref_params[n]).abs().max().item() for n, p in wrapped.named_parameters())
-            ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            good = ldiff <= tol and pdiff <= tol
-            ok &= good
-            print(f"  parity {family:5s} {name:22s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
-                  f"{'PASS' if good else 'FAIL'}", flush=True)
-        # mixed precision smoke test: bf16 compute, fp32 reduction and master weights
-        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        losses = train(wrap(small_model(family).to(device), mixed_precision=mp), data)
-        good = all(l == l and abs(l - r) < 0.05 * abs(r) + 0.05 for l, r in zip(losses, ref_losses))
-        ok &= good
-        print(f"  bf16  {family:5s} losses {[round(l, 4) for l in losses]} vs fp32 {[round(l, 4) for l in ref_losses]} "
-              f"{'PASS' if good else 'FAIL'}", flush=True)
+        for mode, slow in MODES:
+            with slow_gpu(device, slow):
+                for name, kw in SETTINGS.items():
+                    wrapped = wrap(small_model(family).to(device), **kw)
+                    losses = train(wrapped, data)
+                    with wrapped.summon_full_params():
+                        pdiff = max((p.detach() - ref_params[n]).abs().max().item()
+                                    for n, p in wrapped.named_parameters())
+                    ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+                    good = ldiff <= tol and pdiff <= tol
+                    ok &= good
+                    print(f"  parity {mode:8s} {family:5s} {name:20s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
+                          f"{'PASS' if good else 'FAIL'}", flush=True)
+                # mixed precision smoke test: bf16 compute, fp32 reduction and master weights
+                mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                losses = train(wrap(small_model(family).to(device), mixed_precision=mp), data)
+                good = all(l == l and abs(l - r) < 0.05 * abs(r) + 0.05 for l, r in zip(losses, ref_losses))
+                ok &= good
+                print(f"  bf16   {mode:8s} {family:5s} losses {[round(l, 4) for l in losses]} vs fp32 "
+                      f"{[round(l, 4) for l in ref_losses]} {'PASS' if good else 'FAIL'}", flush=True)
     return ok
-
-
-def emulate_comm(wrapped, repeat: int) -> None:
-    """W=1: make every gather / reduction cost ``repeat`` full-buffer copies on the engine's side stream."""
-    group = wrapped.shard_group
-
-    def all_gather(self, output, shard, async_op=True):
-        for _ in range(repeat):
-            output.copy_(shard)  # W=1: shard and output have the same size
-        return _done()
-
-    def reduce_scatter(self, output, full, async_op=True):
-        scratch = torch.empty_like(full)
-        for _ in range(repeat):
-            scratch.copy_(full)
-        output.copy_(full[: output.numel()])
-        return _done()
-
-    group.all_gather = types.MethodType(all_gather, group)
-    group.reduce_scatter = types.MethodType(reduce_scatter, group)
-
-
-def _done():
-    from accel_flatshard.comm import DONE
-
-    return DONE
-
-
-def _intervals_union(iv):
-    out = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def _intersection(u1, u2):
-    i = j = 0
-    total = 0.0
-    while i < len(u1) and j < len(u2):
-        lo, hi = max(u1[i][0], u2[j][0]), min(u1[i][1], u2[j][1])
-        total += max(0.0, hi - lo)
-        if u1[i][1] < u2[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def overlap(device, out_dir: str, repeat: int, steps: int) -> float:
-    torch.backends.cuda.matmul.allow_tf32 = True
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 32000, (8, 512), generator=g).to(device) for _ in range(steps + 2)]
-    base = small_model("llama", layers=8, hidden=1024, vocab=32000, attn="sdpa")
-    kw = {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE}
-    timings = {}
-    for label, rep in (("no comm", 0), ("emulated comm", repeat)):
-        model = wrap(copy.deepcopy(base).to(device), **kw)
-        if rep:
-            emulate_comm(model, rep)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(x):
-            model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for x in data[:2]:
-            step(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if rep:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for x in data[2:]:
-                    step(x)
-                torch.cuda.synchronize()
-        else:
-            for x in data[2:]:
-                step(x)
-            torch.cuda.synchronize()
-        timings[label] = (time.perf_counter() - t0) / steps
-        del model, opt
-        torch.cuda.empty_cache()
-    path = os.path.join(out_dir, "overlap_trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_stream = {}
-    for e in kernels:
-        by_stream.setdefault(e.get("args", {}).get("stream", e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
-    busy = {s: sum(b - a for a, b in _intervals_union(iv)) for s, iv in by_stream.items()}
-    compute_stream = max(busy, key=busy.get)
-    compute = _intervals_union(by_stream[compute_stream])
-    comm = _intervals_union([iv for s, ivs in by_stream.items() if s != compute_stream for iv in ivs])
-    comm_time = sum(b - a for a, b in comm)
-    frac = _intersection(comm, compute) / comm_time if comm_time else 0.0
-    exposed = timings["emulated comm"] - timings["no comm"]
-    print(f"  streams busy (us over {steps} steps): {busy}; compute stream {compute_stream}", flush=True)
-    print(f"  step: no comm {timings['no comm']*1e3:.1f} ms, emulated comm {timings['emulated comm']*1e3:.1f} ms; "
-          f"comm per step {comm_time/steps/1e3:.1f} ms, exposed {exposed*1e3:.1f} ms; "
-          f"overlap of comm with compute kernels {100*frac:.0f}%", flush=True)
-    print(f"  peak max_memory_allocated {torch.cuda.max_memory_allocated()/2**20:.0f} MiB; trace: {path}", flush=True)
-    return frac
 
 
 def llama_1b(meta: bool = True, layers: int = 22, hidden: int = 2048, vocab: int = 32000):
@@ -249,17 +147,34 @@ def llama_1b(meta: bool = True, layers: int = 22, hidden: int = 2048, vocab: int
         return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
-def _cuda_init(device):
-    """param_init_fn: materialise one module's own tensors on the GPU (values do not matter here)."""
-    from accel_flatshard.fully_sharded import materialize_own_tensors
+def activations_without_grads(model, x, device) -> int:
+    """What a plain forward+backward needs above its parameters when every gradient is dropped as it is
+    produced (a post-accumulate-grad hook sets it to None): the activations saved for backward plus the
+    backward's transients (the gradient being produced, the logits' gradient).  Not "peak minus all
+    gradients": the plain model's peak is at the head's backward, when almost no gradient exists yet, so
+    subtracting all of them undercounts the activations by about the gradients' size (~2 GB on the 1.1 B
+    Llama in fp32).  A sharded model holds the same activations and transients at the same point, plus what
+    the other terms of the bounds count (shards, gathered units, pending full gradients).  CUDA only (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in model.parameters() if p.requires_grad]
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    model(input_ids=x, labels=x).loss.backward()
+    torch.cuda.synchronize(device)
+    needed = torch.cuda.max_memory_allocated(device) - base
+    for h in hooks:
+        h.remove()
+    return needed
 
-    def init(module):
-        materialize_own_tensors(module, device)
-        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            if t.is_floating_point():
-                torch.nn.init.normal_(t.data, std=0.02)
 
-    return init
+def _verdict(good: bool, measured: bool) -> str:
+    """A memory check's verdict: on CPU nothing is measured (no device allocator), which is not a pass."""
+    return ("PASS" if good else "FAIL") if measured else "not measured (CPU)"
 
 
 def _mib(n: float) -> str:
@@ -273,7 +188,9 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     2. AdamW steps: peak max_memory_allocated <= analytical bound
          shards (param + grad + 2 Adam states, fp32, / W) + gathered units in flight
          (root + (limit_all_gathers + 1) units) + full gradients pending ((max_pending + 1) units)
-         + activations (measured: peak of the plain model's forward+backward minus its params and grads).
+         + activations (``activations_without_grads``: the plain model's peak above its parameters with every
+         gradient dropped as it is produced).  Each measurement starts after gc.collect(): the previous one's
+         wrapped model and optimizer are gone before the peak counter is reset.
     3. The same on torch FSDP2 (fully_shard per decoder layer + root), printed side by side.
     """
     cuda = device.type == "cuda"
@@ -282,6 +199,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     x = torch.randint(0, kw.get("vocab", 32000), (batch, seq), device=device)
 
     def peak_reset():
+        gc.collect()  # the previous measurement's wrapped model and optimizer (reference cycles) go first
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -295,12 +213,10 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     host_model = llama_1b(meta=False, **kw)
     plain = copy.deepcopy(host_model).to(device)
     n_params = sum(p.numel() for p in plain.parameters())
-    base = peak_reset()
-    plain(input_ids=x, labels=x).loss.backward()
-    activations = max(peak() - base - n_params * 4, 0)  # minus the full gradients it produced
+    activations = activations_without_grads(plain, x, device)
     del plain
-    print(f"  model: {n_params / 1e9:.2f} B parameters; activations (measured, plain model): {_mib(activations)}",
-          flush=True)
+    print(f"  model: {n_params / 1e9:.2f} B parameters; activations + backward transients (plain model, each "
+          f"gradient dropped as produced): {_mib(activations)}", flush=True)
 
     # 1. wrapping a host (CPU) model onto the GPU
     base = peak_reset()
@@ -309,15 +225,21 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     unit_bytes = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in wrapped.units]
     shard_bytes = sum(f.local_shard.numel() * f.local_shard.element_size() for f in wrapped.flat_params)
     wrap_peak = peak() - base
+    # the shards stay, one unit is materialised on the device at a time, 1 MiB for the allocator's rounding
     good = (not cuda) or wrap_peak <= shard_bytes + max(unit_bytes) + 2**20
     ok &= good
     print(f"  wrap from host: device peak {_mib(wrap_peak)} <= shards {_mib(shard_bytes)} + largest unit "
-          f"{_mib(max(unit_bytes))}: {'PASS' if good else 'FAIL'} (whole model: {_mib(n_params * 4)})", flush=True)
+          f"{_mib(max(unit_bytes))}: {_verdict(good, cuda)} (whole model: {_mib(n_params * 4)})", flush=True)
 
     # 2. training steps
     engine = wrapped._schedule.engine
     root_bytes = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
     layer_bytes = max(b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root)
+    # The bound, term by term: fp32 shards, their gradients and AdamW's two states (4 x shards, all resident);
+    # the root unit (gathered for the whole step) and at most max_inflight + 1 layers gathered at once (the
+    # gather limit, plus the one being waited for); at most max_pending_reductions + 1 full gradients of the
+    # largest unit (the pending ones, plus the one being produced); and what the plain model needs above its
+    # parameters with its gradients dropped as produced (activations + backward transients, measured).
     bound = (4 * shard_bytes + root_bytes + (engine.max_inflight + 1) * layer_bytes
              + (engine.max_pending_reductions + 1) * max(unit_bytes) + activations)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=False)
@@ -334,7 +256,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     print(f"  ours : peak max_memory_allocated {_mib(ours)} <= bound {_mib(bound)} (shards+Adam {_mib(4 * shard_bytes)}, "
           f"root {_mib(root_bytes)}, {engine.max_inflight + 1} x layer {_mib(layer_bytes)}, "
           f"{engine.max_pending_reductions + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
-          f"{'PASS' if good else 'FAIL'}; {ours_s * 1e3:.0f} ms/step", flush=True)
+          f"{_verdict(good, cuda)}; {ours_s * 1e3:.0f} ms/step", flush=True)
     del wrapped, opt, host_model, engine
 
     # 3. torch FSDP2 on the same model (informational: our checks above decide the verdict)
@@ -472,18 +394,20 @@ def _exact_math(device) -> None:
 
 
 def part_w1(args, device) -> bool:
-    cuda = device.type == "cuda"
     _exact_math(device)
     with one_rank_group(device):
-        print("[w1 1/2] parity at W=1", flush=True)
-        ok = parity(device, args.steps, args.tol)
-        if cuda:
-            print("[w1 2/2] overlap (emulated communication on the side streams)", flush=True)
-            frac = overlap(device, args.out, args.comm_repeat, args.steps)
-            good = frac >= args.min_overlap
-            print(f"  overlap {frac:.2f} >= {args.min_overlap}: {'PASS' if good else 'FAIL'}", flush=True)
-            ok &= good
-    return ok
+        print("[w1] parity at W=1, as is and in slow-GPU mode", flush=True)
+        return parity(device, args.steps, args.tol)
+
+
+def part_overlap(args, device) -> bool:
+    """Its own process (gpu_check.sh): no exact-math setting of the parity parts reaches its timings."""
+    import gpu_check_overlap
+
+    with one_rank_group(device):
+        print("[overlap] emulated communication on the side streams vs compute", flush=True)
+        return gpu_check_overlap.overlap(sys.modules[__name__], device, args.out, args.comm_repeat, args.steps,
+                                         args.min_overlap_of_ceiling)
 
 
 def part_nccl_1gpu(args, device) -> bool:
@@ -491,7 +415,7 @@ def part_nccl_1gpu(args, device) -> bool:
 
     _exact_math(device)
     with one_rank_group(device):
-        return gpu_check_nccl.nccl_one_gpu(sys.modules[__name__], device, args.steps, args.tol)
+        return gpu_check_nccl.nccl_one_gpu(sys.modules[__name__], device, args.steps, args.tol, args.out)
 
 
 def part_leak(args, device) -> bool:
@@ -517,7 +441,8 @@ def part_nccl(args, device) -> bool:
 
 
 # name -> fn(args, device) -> bool; gpu_check.sh runs each in its own process (see "Adding a part" above)
-PARTS = {"w1": part_w1, "nccl-1gpu": part_nccl_1gpu, "leak": part_leak, "fake-w8": part_fake_w8, "nccl": part_nccl}
+PARTS = {"w1": part_w1, "overlap": part_overlap, "nccl-1gpu": part_nccl_1gpu, "leak": part_leak,
+         "fake-w8": part_fake_w8, "nccl": part_nccl}
 
 
 def run_part(name: str, args, device) -> bool:
@@ -544,7 +469,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5 cuda, 2 cpu)")
     p.add_argument("--tol", type=float, default=None, help="parity tolerance (default 1e-4 cuda, 1e-6 cpu)")
     p.add_argument("--comm-repeat", type=int, default=8)
-    p.add_argument("--min-overlap", type=float, default=0.5)
+    p.add_argument("--min-overlap-of-ceiling", type=float, default=0.6,
+                   help="overlap: PASS when the measured overlap >= this x the schedule's ceiling")
     p.add_argument("--world", type=int, default=8, help="fake-w8: emulated ranks")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)

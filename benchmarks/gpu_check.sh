@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 460 s) of parts plus
-# about 10 s of start-up: under 8 minutes, inside a 600 s command limit.  Each part runs in its own process under
-# its own timeout (the 1-GPU timeouts add up to the budget; a part gets at most what is left of it) and prints one
-# verdict line; one failing, hanging or crashing part does not hide the others.  A summary table ends the output.
+# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 445 s) of parts plus
+# about 30 s of start-up, archive and kill grace: under 8 minutes, inside a 600 s command limit (the summary prints the
+# expected wall time, computed from the timeouts below).  Each part runs in its own process under its own timeout
+# (a part gets at most what is left of the budget) and prints one verdict line; one failing, hanging or crashing
+# part does not hide the others.  The summary ends the output.
 #   nccl-1gpu  a 1-rank NCCL group with the W=1 shortcut off: the engine's all-gathers, reduce-scatters and hybrid
 #              replica all-reduces are real NCCL calls (async_op=False inside its side streams; all_gather_into_tensor
-#              / reduce_scatter_tensor on torch 2.11), counted and checked to run on their side streams; losses and
-#              parameters vs a single-process run and vs the W=1 copy path (prefetch, no-prefetch, hybrid, bf16)
+#              / reduce_scatter_tensor on torch 2.11), counted, and the profiler's stream of each NCCL kernel
+#              checked against the compute stream's (observed, not assumed); losses and parameters vs a
+#              single-process run and vs the W=1 copy path (prefetch, no-prefetch, hybrid, bf16)
 #   w1         W=1 on real CUDA streams: parity with a single-process run (GPT-2 / Llama; the default prefetch
-#              schedule, no prefetch, no reshard, BACKWARD_POST + limit 1; fp32 and a bf16 smoke) and a profiler
-#              trace of all-gathers / reduce-scatters (emulated by device copies on the side streams) overlapping
-#              compute kernels
+#              schedule, no prefetch, no reshard, BACKWARD_POST + limit 1; fp32 and a bf16 smoke)
 #   leak       wrapped models (trained, generating, state-dict'ed; with and without offload) deleted: device
 #              memory_allocated back to its value before wrapping, wrapper and module collected
 #   offload-w1 CPU offload W=1: parity with the plain model (host AdamW), bf16 and accumulation vs no offload,
@@ -21,69 +21,110 @@
 #   nccl       only with 2+ GPUs: NCCL parity at W = min(#GPUs, 4) vs the single-process run, models placed with
 #              .to(cuda:LOCAL_RANK) and no torch.cuda.set_device, CPU inputs
 #   compile    regional torch.compile at W=1 (1-rank NCCL group, inductor): losses vs the plain model compiled per
-#              block, no graph compiled after step 1, no graph break, no unit run eagerly; compiled vs eager step time
+#              block, no graph compiled after step 1, no graph break, no unit run eagerly; compiled vs eager step
+#              time.  Its timeout fits a cold inductor cache (two compiles + NCCL start-up) and says so when hit.
 #   planner    the memory planner (accel-flatshard plan) vs max_memory_allocated, emulated W=8, 6 configurations
-# Adding a part: one `part NAME TIMEOUT_S COMMAND...` line below; PASS is exit status 0; output in $OUT/NAME.log.
-# Usage: bash benchmarks/gpu_check.sh            (logs and the trace in $OUT, default ./gpu_check_out)
+#   overlap    (own process: none of the parity parts' exact-math settings) emulated communication on the side
+#              streams, profiled: the fraction of it that overlaps compute, against the ceiling the schedule allows
+# The parity parts (nccl-1gpu, w1, compile, offload-w1) run twice: as is and in slow-GPU mode (sleeps queued on
+# the compute stream before backward and the optimizer step, and on the side streams before each collective), so
+# a missing wait shows as wrong values instead of hiding behind a GPU that never falls behind the host.
+# What comes back: the parts write logs and traces to a work folder ($GPU_CHECK_WORK, default a new folder under
+# /tmp); $OUT gets exactly two files: gpu_check_logs.tar.gz (every log and trace, <= 15 MiB: traces are left out
+# when larger, and the summary says so) and summary.txt (self-contained: every part's verdict and figures, the
+# expected wall time), printed last so that the output's tail is the summary (benchmarks/gpu_check_report.py).
+# Adding a part: one "NAME TIMEOUT_S SCRIPT ARGS..." line in PARTS below; PASS is exit status 0; log: WORK/NAME.log.
+# Usage: bash benchmarks/gpu_check.sh            ($OUT default ./gpu_check_out)
 # Python: $PYTHON, else .venv/bin/python if its torch sees CUDA, else python3 (needs torch+CUDA, transformers).
 # CPU smoke of this script and the same code paths, tiny sizes (tests/test_gpu_check_smoke.py):
-#   GPU_CHECK_DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   (timeouts x3: GPU_CHECK_TIMEOUT_SCALE)
+#   GPU_CHECK_DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   (timeouts x5: GPU_CHECK_TIMEOUT_SCALE)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
-mkdir -p "$OUT"
+WORK=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+mkdir -p "$OUT" "$WORK"
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ] && .venv/bin/python -c "import torch,sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then PY=.venv/bin/python
 else PY=python3; fi
+REPORT_PY=$(command -v python3 || echo "$PY")  # the report needs only the standard library
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PYTHONWARNINGS=ignore::FutureWarning,ignore::UserWarning
-"$PY" -c "import torch, transformers, accelerate; print('python', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" || exit 2
+# (CUBLAS_WORKSPACE_CONFIG and deterministic kernels: set by the parity parts themselves, not the timing part)
+"$PY" -c "import torch, transformers, accelerate; print('python', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tee "$WORK/environment.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 DEV=()
 [ -n "${GPU_CHECK_DEVICE:-}" ] && DEV=(--device "$GPU_CHECK_DEVICE")
 # the CPU smoke runs the same parts on a loaded CI machine: its timeouts and budget are scaled up
-SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$([ -n "${GPU_CHECK_DEVICE:-}" ] && echo 3 || echo 1)}
-DEADLINE=$(( SECONDS + ${GPU_CHECK_BUDGET_S:-460} * SCALE ))
-SUMMARY=()
+SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$([ -n "${GPU_CHECK_DEVICE:-}" ] && echo 5 || echo 1)}
+BUDGET=${GPU_CHECK_BUDGET_S:-445}
+DEADLINE=$(( SECONDS + BUDGET * SCALE ))
 status=0
+: > "$WORK/verdicts.tsv"
+
+# ---- the parts (1 GPU): name, timeout (s, on the GPU), command; most informative first.  The 1-GPU timeouts add
+# up to the budget (445 s); with start-up, the archive and one killed part's grace the GPU run takes at most 475 s.
+PARTS=(
+  "nccl-1gpu       50 benchmarks/gpu_check.py --part nccl-1gpu"
+  "w1              45 benchmarks/gpu_check.py --part w1"
+  "compile        110 benchmarks/gpu_check_compile.py"
+  "overlap         35 benchmarks/gpu_check.py --part overlap"
+  "leak            25 benchmarks/gpu_check.py --part leak"
+  "planner         45 benchmarks/gpu_check_plan.py"
+  "offload-w1      45 benchmarks/gpu_check_offload.py --part w1"
+  "fake-w8         55 benchmarks/gpu_check.py --part fake-w8"
+  "offload-fake-w8 35 benchmarks/gpu_check_offload.py --part fake-w8"
+)
+# what a timeout means, where it is not simply a hang
+declare -A TIMEOUT_NOTE=(
+  [compile]="a cold inductor cache: two compiles (the plain model per block, the wrapped one) plus NCCL start-up did not fit; the log's phase times say which; a rerun on the same machine finds the cache warm"
+)
+SUM_S=0
+for spec in "${PARTS[@]}"; do set -- $spec; SUM_S=$(( SUM_S + $2 )); done
+START_S=10 ARCHIVE_S=10 KILL_S=10  # start-up: two interpreter starts; a part past its timeout is killed 10 s later
+EXPECTED_S=$(( (SUM_S < BUDGET ? SUM_S : BUDGET) + START_S + ARCHIVE_S + KILL_S ))
+EXPECTED="at most ${EXPECTED_S} s on the GPU (the 1-GPU parts' timeouts add up to ${SUM_S} s, capped by the budget ${BUDGET} s; + ${START_S} s start-up + ${ARCHIVE_S} s archive + ${KILL_S} s for a killed part)$([ "$SCALE" != 1 ] && echo "; this run: timeouts x${SCALE}")"
+echo "expected wall time: $EXPECTED"
 
 part() {  # part NAME TIMEOUT_S COMMAND...: run it guarded, one verdict line
-  local name=$1 limit=$(( $2 * SCALE )); shift 2
+  local name=$1 timeout_s=$2 limit=$(( $2 * SCALE )); shift 2
   local left=$(( DEADLINE - SECONDS ))
   if [ "$left" -lt "${GPU_CHECK_MIN_PART_S:-20}" ]; then
-    SUMMARY+=("$(printf '%-16s SKIP (budget spent)' "$name")"); status=1; return
+    printf '%s\t%s\t%s\t%s\n' "$name" "SKIP (budget spent)" 0 "$timeout_s" >> "$WORK/verdicts.tsv"; status=1; return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (timeout ${limit} s)"
   local t0=$SECONDS rc
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  cat "$OUT/$name.log"
+  timeout -k 10 "$limit" "$@" > "$WORK/$name.log" 2>&1; rc=$?
+  cat "$WORK/$name.log"
   local verdict=PASS
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAIL (timeout after ${limit} s)"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    verdict="FAIL (timeout after ${limit} s${TIMEOUT_NOTE[$name]:+: ${TIMEOUT_NOTE[$name]}})"
   elif [ $rc -ne 0 ]; then verdict="FAIL (exit $rc)"; fi
   [ "$verdict" = PASS ] || status=1
-  SUMMARY+=("$(printf '%-16s %s (%d s)' "$name" "$verdict" $(( SECONDS - t0 )))")
+  printf '%s\t%s\t%s\t%s\n' "$name" "$verdict" $(( SECONDS - t0 )) "$limit" >> "$WORK/verdicts.tsv"
   echo "-- $name: $verdict"
 }
 
-# ---- the parts (1 GPU: timeouts add up to 460 s); most informative first
-part nccl-1gpu       50 "$PY" benchmarks/gpu_check.py --part nccl-1gpu ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part w1              75 "$PY" benchmarks/gpu_check.py --part w1 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part compile         55 "$PY" benchmarks/gpu_check_compile.py ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part leak            35 "$PY" benchmarks/gpu_check.py --part leak ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part planner         60 "$PY" benchmarks/gpu_check_plan.py ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part offload-w1      55 "$PY" benchmarks/gpu_check_offload.py --part w1 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part fake-w8         70 "$PY" benchmarks/gpu_check.py --part fake-w8 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
-part offload-fake-w8 60 "$PY" benchmarks/gpu_check_offload.py --part fake-w8 ${DEV[@]+"${DEV[@]}"} --out "$OUT"
+for spec in "${PARTS[@]}"; do
+  set -- $spec
+  name=$1 timeout_s=$2; shift 2
+  part "$name" "$timeout_s" "$PY" "$@" ${DEV[@]+"${DEV[@]}"} --out "$WORK"
+done
 if [ "$GPUS" -ge 2 ]; then
   W=$(( GPUS < 4 ? GPUS : 4 ))
   part nccl 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" benchmarks/gpu_check.py --part nccl \
-      --out "$OUT"
+      --out "$WORK"
 else
-  SUMMARY+=("$(printf '%-16s SKIP (1 GPU: NCCL parity at W>=2 needs 2+)' nccl)")
+  printf '%s\t%s\t\t\n' nccl "SKIP (1 GPU: NCCL parity at W>=2 needs 2+)" >> "$WORK/verdicts.tsv"
 fi
-echo "== summary ($SECONDS s)"
-printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
-echo "gpu_check.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL) (logs in $OUT)"
+echo "== summary ($SECONDS s; logs and traces in $WORK, archived in $OUT)"
+if ! "$REPORT_PY" benchmarks/gpu_check_report.py --work "$WORK" --out "$OUT" --expected "$EXPECTED"; then
+  # (the report failed: the verdicts and the logs as they are)
+  status=1
+  tar czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" . 2>/dev/null
+  { echo "gpu_check summary: report failed"; cat "$WORK/verdicts.tsv"; } > "$OUT/summary.txt"
+fi
+cat "$OUT/summary.txt"
+echo "gpu_check.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL) (wall $SECONDS s; $OUT: $(ls "$OUT" | tr '\n' ' '))"
 exit $status

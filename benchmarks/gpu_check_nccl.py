@@ -11,9 +11,18 @@ streams and with ``async_op=False`` inside ``torch.cuda.stream(side)`` (how the 
 * the reduce-scatter of every gradient (``reduce_scatter_tensor`` / ``reduce_scatter_single``),
 * under hybrid sharding the all-reduce over the replica group, on its own stream.
 
-Checked: each call is counted and was issued on its side stream (not the compute stream), and losses and
-final parameters equal a single-process run of the plain model (``--tol``) and the engine's own W=1 copy
-path bitwise-or-within-tol, for the prefetch schedule (default), no prefetch, hybrid, and bf16 compute.
+Checked: each call is counted; losses and final parameters equal a single-process run of the plain model
+(``--tol``) and the engine's own W=1 copy path bitwise-or-within-tol, for the prefetch schedule (default), no
+prefetch, hybrid, and bf16 compute, as is and in slow-GPU mode (``gpu_check_slow.py``: the compute stream and
+the side streams fall behind the host, so a missing wait reads unwritten buffers).
+
+The streams are observed from outside, not assumed (the engine's ``collective()`` always enters its side
+stream, so asking it would prove nothing): each collective call runs inside a ``gpu_check::<kind>`` profiler
+range, and torch.profiler (CUPTI) reports the device stream of every kernel / copy launched inside it (by
+correlation id); the compute stream is the one the forward's and backward's matrix multiplies ran on.  PASS
+when the device work of every all-gather and reduce-scatter was seen and none of it ran on the compute stream
+(an in-place 1-rank all-reduce may launch nothing: reported).  On CPU there are no streams: the sub-check is
+reported as skipped, never as passed.
 
     python benchmarks/gpu_check.py --part nccl-1gpu          # one GPU
     python benchmarks/gpu_check.py --device cpu --part nccl-1gpu   # CPU smoke: gloo, the same calls
@@ -21,13 +30,18 @@ path bitwise-or-within-tol, for the prefetch schedule (default), no prefetch, hy
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Tuple
+import json
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from accel_flatshard import BackwardPrefetch, MixedPrecision, comm
+from accel_flatshard import MixedPrecision, comm
 from accel_flatshard import fully_sharded as _fully_sharded
+from gpu_check_slow import MODES, slow_gpu
+
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # launched on the compute stream
 
 SCHEDULES = {
     "prefetch": ({}, False),  # the defaults: forward prefetch + BACKWARD_PRE
@@ -61,15 +75,16 @@ def issuing_one_rank_groups(hybrid: bool) -> Iterator[List[comm.ShardGroup]]:
 
 
 @contextlib.contextmanager
-def recording_collectives(device: torch.device) -> Iterator[List[Tuple[str, bool, object]]]:
-    """Every all-gather / reduce-scatter / all-reduce the engine issues: (name, async_op, current stream)."""
-    calls: List[Tuple[str, bool, object]] = []
-    cuda = device.type == "cuda"
+def recording_collectives() -> Iterator[List[Tuple[str, bool]]]:
+    """Every all-gather / reduce-scatter / all-reduce the engine issues: (name, async_op), each inside a
+    ``gpu_check::<name>`` profiler range."""
+    calls: List[Tuple[str, bool]] = []
 
     def recorder(name, fn):
         def record(*args, async_op=False, **kwargs):
-            calls.append((name, async_op, torch.cuda.current_stream(device) if cuda else None))
-            return fn(*args, async_op=async_op, **kwargs)
+            calls.append((name, async_op))
+            with torch.profiler.record_function(f"gpu_check::{name}"):  # (the range the profiler attributes by)
+                return fn(*args, async_op=async_op, **kwargs)
         return record
 
     saved = (comm._all_gather_flat, comm._reduce_scatter_flat, comm.dist.all_reduce)
@@ -82,53 +97,118 @@ def recording_collectives(device: torch.device) -> Iterator[List[Tuple[str, bool
         comm._all_gather_flat, comm._reduce_scatter_flat, comm.dist.all_reduce = saved
 
 
-def _train_wrapped(gpu_check, family: str, device, data, kwargs, hybrid: bool, issue: bool):
-    """Train a wrapped model; returns (losses, full parameters, the calls recorded, the engine)."""
+def _train_wrapped(gpu_check, family: str, device, data, kwargs, hybrid: bool, issue: bool,
+                   trace: Optional[str] = None):
+    """Train a wrapped model; returns (losses, full parameters, the calls recorded).  ``trace``: profile the
+    training (CUDA) and write the chrome trace there."""
     with contextlib.ExitStack() as stack:
         if issue:
             stack.enter_context(issuing_one_rank_groups(hybrid))
         wrapped = gpu_check.wrap(gpu_check.small_model(family).to(device), **kwargs)
-        calls = stack.enter_context(recording_collectives(device))
+        calls = stack.enter_context(recording_collectives())
+        prof = None
+        if trace is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
         losses = gpu_check.train(wrapped, data)
+        torch.cuda.synchronize(device) if prof is not None else None
+    if prof is not None:
+        prof.export_chrome_trace(trace)
     with wrapped.summon_full_params():
         params = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
-    return losses, params, calls, wrapped._schedule.engine
+    return losses, params, calls
+
+
+def observed_streams(trace: str) -> Tuple[Dict[str, set], Optional[object]]:
+    """From a chrome trace: {collective kind: device streams its work ran on}, and the compute stream (where
+    the matrix multiplies ran).  Device work is attributed to the innermost ``gpu_check::<kind>`` or compute
+    op range on the same host thread that contains its launch (the runtime call with its correlation id)."""
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = []  # (tid, start, end, label)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") in ("cpu_op", "user_annotation") and (name.startswith("gpu_check::") or name in COMPUTE_OPS):
+            label = name[len("gpu_check::"):] if name.startswith("gpu_check::") else "compute"
+            ranges.append((e.get("tid"), e["ts"], e["ts"] + e["dur"], label))
+    launched = {}  # correlation id -> label
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            inside = [r for r in ranges if r[0] == e.get("tid") and r[1] <= e["ts"] <= r[2]]
+            if inside:
+                launched[e["args"]["correlation"]] = min(inside, key=lambda r: r[2] - r[1])[3]
+    streams: Dict[str, Dict[object, int]] = {}
+    for e in events:
+        args = e.get("args", {})
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and args.get("correlation") in launched:
+            per = streams.setdefault(launched[args["correlation"]], {})
+            per[args.get("stream")] = per.get(args.get("stream"), 0) + 1
+    compute = streams.pop("compute", {})
+    return {k: set(v) for k, v in streams.items()}, (max(compute, key=compute.get) if compute else None)
+
+
+def stream_check(trace: Optional[str], counts: Dict[str, int]) -> Tuple[Optional[bool], str]:
+    """(True / False, or None where not applicable: CPU), and the line that says what was seen."""
+    if trace is None:
+        return None, "streams: SKIPPED (CPU)"
+    try:
+        seen, compute = observed_streams(trace)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed observation, with why
+        return False, f"streams: NOT OBSERVED ({type(exc).__name__}: {str(exc)[:160]})"
+    need = [k for k in ("all_gather", "reduce_scatter") if counts.get(k)]
+    missing = [k for k in need if not seen.get(k)]
+    on_compute = [k for k, s in seen.items() if compute in s]
+    good = compute is not None and not missing and not on_compute
+    text = ", ".join(f"{k} on {sorted(map(str, s))}" for k, s in sorted(seen.items()))
+    if counts.get("all_reduce") and not seen.get("all_reduce"):
+        text += ", all_reduce launched nothing (in place at 1 rank)"
+    return good, (f"streams (profiler): compute {compute}; {text or 'no collective work seen'}"
+                  + (f"; not seen: {missing}" if missing else "") + (f"; ON THE COMPUTE STREAM: {on_compute}" if on_compute else ""))
 
 
 def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
 
 
-def nccl_one_gpu(gpu_check, device: torch.device, steps: int, tol: float) -> bool:
+def nccl_one_gpu(gpu_check, device: torch.device, steps: int, tol: float, out_dir: str = ".") -> bool:
     """See the module docstring.  ``gpu_check``: the gpu_check module (models, training loop)."""
     cuda = device.type == "cuda"
     print(f"  collectives: {comm._all_gather_flat.__name__}, {comm._reduce_scatter_flat.__name__} "
           f"(torch {torch.__version__}); backend {dist.get_backend()}", flush=True)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 1024, (4, 64), generator=g).to(device) for _ in range(steps)]
-    ok = True
+    ok, streams_checked = True, 0
     for family in ("gpt2", "llama"):
         ref = gpu_check.small_model(family).to(device)
         ref_losses = gpu_check.train(ref, data)
         ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        for name, (kwargs, hybrid) in SCHEDULES.items():
-            if name == "bf16" and family == "gpt2":
-                continue
-            losses, params, calls, engine = _train_wrapped(gpu_check, family, device, data, kwargs, hybrid, True)
-            copy_losses, copy_params, copy_calls, _ = _train_wrapped(gpu_check, family, device, data, kwargs, hybrid, False)
-            counts = {k: sum(1 for c in calls if c[0] == k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
-            side = {"all_gather": engine.all_gather_stream, "reduce_scatter": engine.reduce_scatter_stream,
-                    "all_reduce": engine.replica_stream}
-            off_stream = [c for c in calls if cuda and c[2] != side[c[0]]]
-            issued = counts["all_gather"] > 0 and counts["reduce_scatter"] > 0 and (counts["all_reduce"] > 0) == hybrid
-            ref_tol = 0.05 if name == "bf16" else tol
-            ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            pdiff = _max_diff(params, ref_params)
-            copy_diff = max(_max_diff(params, copy_params), max(abs(a - b) for a, b in zip(losses, copy_losses)))
-            good = (issued and not off_stream and not copy_calls and ldiff <= ref_tol and pdiff <= ref_tol
-                    and copy_diff <= tol)
-            ok &= good
-            print(f"  {family:5s} {name:11s} issued {counts} ({'sync' if not any(c[1] for c in calls) else 'async'}, "
-                  f"{len(off_stream)} off their side stream); vs plain max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e}; "
-                  f"vs W=1 copy path {copy_diff:.2e}: {'PASS' if good else 'FAIL'}", flush=True)
+        for mode, slow in MODES:
+            for name, (kwargs, hybrid) in SCHEDULES.items():
+                if name == "bf16" and family == "gpt2":
+                    continue
+                # profiled: the runs as is (slow-GPU mode adds sleeps, not other streams)
+                trace = os.path.join(out_dir, f"nccl_1gpu_{family}_{name}.json") if cuda and not slow else None
+                with slow_gpu(device, slow):
+                    losses, params, calls = _train_wrapped(gpu_check, family, device, data, kwargs, hybrid, True, trace)
+                    copy_losses, copy_params, copy_calls = _train_wrapped(gpu_check, family, device, data, kwargs,
+                                                                          hybrid, False)
+                counts = {k: sum(1 for c in calls if c[0] == k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+                issued = counts["all_gather"] > 0 and counts["reduce_scatter"] > 0 and (counts["all_reduce"] > 0) == hybrid
+                on_streams, stream_text = stream_check(trace, counts) if not slow else (None, "streams: as is")
+                streams_checked += on_streams is not None
+                ref_tol = 0.05 if name == "bf16" else tol
+                ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+                pdiff = _max_diff(params, ref_params)
+                copy_diff = max(_max_diff(params, copy_params), max(abs(a - b) for a, b in zip(losses, copy_losses)))
+                good = (issued and on_streams is not False and not copy_calls and ldiff <= ref_tol and pdiff <= ref_tol
+                        and copy_diff <= tol)
+                ok &= good
+                print(f"  {mode:8s} {family:5s} {name:11s} issued AG/RS/AR {counts['all_gather']}/"
+                      f"{counts['reduce_scatter']}/{counts['all_reduce']} "
+                      f"({'sync' if not any(c[1] for c in calls) else 'async'}); {stream_text}; vs plain "
+                      f"max|dloss|={ldiff:.1e} max|dparam|={pdiff:.1e}; vs W=1 copy path {copy_diff:.1e}: "
+                      f"{'PASS' if good else 'FAIL'}", flush=True)
+    print(f"  stream check: {'observed in ' + str(streams_checked) + ' runs' if streams_checked else 'SKIPPED (CPU: no device streams to observe; not passed)'}",
+          flush=True)
     return ok

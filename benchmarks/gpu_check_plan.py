@@ -14,6 +14,7 @@ lists).  PASS when every row is within --tol (default 10%).  Exit status 1 on FA
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -48,6 +49,12 @@ def model(family: str, small: bool):
 
 
 def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, batch: dict, small: bool) -> int:
+    # the previous row's wrapped model and optimizer hold reference cycles (hooks, the engine): only a
+    # collection frees their device memory, which would otherwise count in this row's peak
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     host = model(family, small)
     wrapped = FullyShardedDataParallel(host, auto_wrap_policy=opts.auto_wrap_policy(host), device_id=device,
@@ -59,6 +66,7 @@ def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, bat
     tracker = None
     for step in range(2):
         if step == 1 and device.type == "cuda":
+            gc.collect()  # (step 0's garbage in cycles, if any)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         elif step == 1:
@@ -73,9 +81,13 @@ def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, bat
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     if tracker is not None:
-        return max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
+        peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    else:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    del wrapped, optimizer, host, tracker, batch
+    gc.collect()  # freed here, before the next row resets the peak counter
+    return peak
 
 
 def run(device: torch.device, world: int, batch_size: int, seq: int, tol: float) -> bool:

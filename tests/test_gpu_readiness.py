@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -289,3 +287,53 @@ def test_api_resolver_agrees_with_the_installed_torch():
     statuses = {chain: resolver.resolve(chain)[0] for chain in uses.chains}
     assert [c for c, s in statuses.items() if s == "present" and not exists(c)] == []
     assert len([c for c, s in statuses.items() if s == "present"]) > 200
+
+
+def test_api_check_scans_every_script_gpu_check_runs():
+    """Every benchmark script gpu_check.sh runs (and the benchmark modules they import) is scanned."""
+    import re
+
+    scanned = _api_check().sources()
+    run = set(re.findall(r"benchmarks/\w+\.py", (REPO / "benchmarks" / "gpu_check.sh").read_text()))
+    assert {"benchmarks/gpu_check_compile.py", "benchmarks/gpu_check_plan.py"} <= run
+    assert run <= set(scanned), run - set(scanned)
+    assert {"accel_flatshard", "benchmarks/gpu_check_slow.py", "benchmarks/gpu_check_overlap.py",
+            "benchmarks/offload_adamw.py"} <= set(scanned)
+
+
+BAD_GPU_CODE = """
+import torch
+import torch.distributed as dist
+
+
+def step(side: torch.cuda.Stream, t):
+    done = torch.cuda.Event()
+    done.record(side, True)                          # Event.record takes one stream
+    torch.cuda.current_stream().wait_evnt(done)      # misspelt: Stream.wait_event
+    side.wait_stream(torch.cuda.current_stream())    # right
+    t.untyped_storage().resize_(0, 1)                # UntypedStorage.resize_ takes one size
+    work = dist.all_reduce(t, async_op=True)
+    work.wait_for_it()                               # Work has wait(), not wait_for_it()
+    torch.zeros(2, 3, 4)                             # right: *size
+    torch.cuda.synchronize(None, 1)                  # synchronize takes one device
+"""
+
+
+def test_api_check_catches_bad_positional_arguments_and_wrong_stream_event_methods(tmp_path):
+    """Code that runs only on a GPU: a wrong method on a stream, an event, a storage or a work handle, and too
+    many positional arguments, are errors (resolved here against the installed torch)."""
+    check = _api_check()
+    source = tmp_path / "bad_gpu_code.py"
+    source.write_text(BAD_GPU_CODE)
+    uses = check.Uses()
+    check.scan_file(source, uses)
+    installed = check.Resolver(check.Sources(Path(torch.__file__).parent))
+    errors, _ = check.problems(uses, check.resolve_uses(uses, installed, installed))
+    text = "\n".join(errors)
+    assert "torch.cuda.Stream.wait_evnt (bad_gpu_code.py:9): no such method" in text
+    assert "torch.distributed.Work.wait_for_it (bad_gpu_code.py:13): no such method" in text
+    assert "torch.cuda.Event.record with 2 positional arguments (bad_gpu_code.py:8): takes fewer" in text
+    assert "torch.UntypedStorage.resize_ with 2 positional arguments (bad_gpu_code.py:11): takes fewer" in text
+    assert "torch.cuda.synchronize with 2 positional arguments (bad_gpu_code.py:15): takes fewer" in text
+    assert len(errors) == 5, text  # wait_stream, zeros(2, 3, 4) and the rest are right
+

@@ -7,13 +7,20 @@ after 2.11 would first fail on the GPU.  This script finds, without importing an
   ``import torch.distributed as dist``, ``from torch.optim.optimizer import register_optimizer_step_post_hook``,
   lazy imports inside functions too) and the keyword arguments passed when such a chain is called;
 * ``getattr(torch_chain, "name", default)`` / ``hasattr``: optional names (absent is fine: the code falls back);
-* methods called on tensors and modules (``x.register_post_accumulate_grad_hook(...)``): every attribute name
-  the sources use that ``torch.Tensor`` / ``torch.nn.Module`` of the installed torch has, checked on 2.11's
-  ``torch.Tensor`` / ``torch.nn.Module``, with their keyword arguments.
+* methods called on torch objects: on a receiver whose class is known (``torch.cuda.current_stream().wait_stream``,
+  ``ev = torch.cuda.Event()`` then ``ev.record(s)``, ``t.untyped_storage().resize_(0)``, ``w = dist.all_reduce(...,
+  async_op=True)`` then ``w.wait()``, a parameter annotated ``stream: torch.cuda.Stream``): the method must exist
+  (in the installed torch too: a misspelt stream or event method is an error, even on code that runs only on
+  a GPU); on any other receiver, every attribute name the sources use that one of ``INSTANCE_CLASSES`` (Tensor,
+  Module, Stream, Event, UntypedStorage, Work, ProcessGroup) has in the installed torch, checked on 2.11's class;
+* the keyword arguments of those calls, and the number of positional arguments of calls whose target is
+  known (a torch chain or a known receiver's method): more than the signature takes is an error.
+
+The files: ``gpu_check.sh`` is read for every benchmark script it runs, and those for the benchmark modules
+they import (``sources()``), plus the package.
 
 It resolves them in torch's Python sources (``.py`` and ``.pyi``, read from the wheel's zip, never
-imported): module-level definitions, imports (``from x import *`` with ``__all__``), submodules, class bodies
-and their base classes.
+imported: ``tools/torch_sources.py``).
 
     python tools/torch_api_check.py                  # CI: the uses against the committed manifest (no torch 2.11)
     python tools/torch_api_check.py --wheel W.whl    # resolve every use in the wheel, rewrite the manifest
@@ -21,56 +28,86 @@ and their base classes.
 
 The manifest (``tools/torch_2_11_api.json``) records, for each use, whether torch 2.11 has it.  CI fails when
 a required use is missing in 2.11, or when the sources use something the manifest does not list yet (then
-rerun with ``--download``: ~530 MB, about 10 s from PyPI).  Exit status 1 on either.
+rerun with ``--download``: torch 2.11's CPU wheel for macOS arm64, ~80 MB from PyPI; its Python sources and
+stubs are those of every platform's wheel).  Exit status 1 on either.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import json
-import os
+import re
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_sources import Resolver, Sources, dotted  # noqa: E402 - torch's sources, read (tools/torch_sources.py)
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "tools" / "torch_2_11_api.json"
 TORCH_VERSION = "2.11.0"
-# what runs on the GPU machine: the package, and gpu_check with the benchmark modules it imports
-SOURCES = ["accel_flatshard", "benchmarks/gpu_check.py", "benchmarks/gpu_check_offload.py",
-           "benchmarks/gpu_check_nccl.py", "benchmarks/offload_adamw.py"]
-INSTANCE_CLASSES = {"torch.Tensor": "Tensor", "torch.nn.Module": "Module"}
+GPU_CHECK = REPO / "benchmarks" / "gpu_check.sh"
+# receivers of these classes carry no attributes of the package's own: a name they lack is misspelt
+STRICT_CLASSES = ["torch.cuda.Stream", "torch.cuda.Event", "torch.UntypedStorage", "torch.distributed.Work",
+                  "torch.distributed.ProcessGroup"]
+# torch classes whose methods the sources call on objects (the installed torch says which names they have)
+INSTANCE_CLASSES = ["torch.Tensor", "torch.nn.Module", "torch.cuda.Stream", "torch.cuda.Event", "torch.UntypedStorage",
+                    "torch.distributed.Work", "torch.distributed.ProcessGroup"]
+# calls whose result's class is known: the receiver of a method called on it (or on a name bound to it)
+RETURNS = {"torch.cuda.current_stream": "torch.cuda.Stream", "torch.cuda.default_stream": "torch.cuda.Stream",
+           "torch.cuda.Stream": "torch.cuda.Stream", "torch.cuda.Event": "torch.cuda.Event",
+           "torch.UntypedStorage": "torch.UntypedStorage", "torch.distributed.new_group": "torch.distributed.ProcessGroup"}
+METHOD_RETURNS = {"untyped_storage": "torch.UntypedStorage", "record_event": "torch.cuda.Event"}
+ASYNC_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
+                     "broadcast", "barrier", "all_gather_single", "reduce_scatter_single", "isend", "irecv")
+
+
+def sources() -> List[str]:
+    """What runs on the GPU machine: the package, every benchmark script gpu_check.sh runs, and the benchmark
+    modules those import (transitively)."""
+    bench = REPO / "benchmarks"
+    todo = sorted(set(re.findall(r"benchmarks/(\w+)\.py", GPU_CHECK.read_text())))
+    seen: List[str] = []
+    while todo:
+        name = todo.pop()
+        path = bench / f"{name}.py"
+        if name in seen or not path.exists():
+            continue
+        seen.append(name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            todo += [n for n in names if (bench / f"{n}.py").exists()]
+    return ["accel_flatshard"] + [f"benchmarks/{n}.py" for n in sorted(seen)]
 
 
 # ---------------------------------------------------------------------- what the sources use
 class Uses:
-    """Chains used (``{chain: {"optional": bool, "keywords": set, "where": [file:line]}}``)."""
+    """Chains used (``{chain: {"optional": bool, "keywords": set, "positional": set, "where": [file:line]}}``;
+    ``positional``: the numbers of positional arguments of the calls whose target is known).  ``typed``: chains
+    of methods called on a receiver of known class (the method must exist, in the installed torch too)."""
 
     def __init__(self) -> None:
         self.chains: Dict[str, dict] = {}
         self.attribute_names: Dict[str, Set[str]] = {}  # attribute name -> keywords of calls (any object)
         self.attribute_where: Dict[str, str] = {}
         self.from_instances: Set[str] = set()  # chains added by instance_uses only
+        self.typed: Set[str] = set()
 
-    def add(self, chain: str, where: str, optional: bool = False, keywords: Iterable[str] = ()) -> None:
-        entry = self.chains.setdefault(chain, {"optional": True, "keywords": set(), "where": []})
+    def add(self, chain: str, where: str, optional: bool = False, keywords: Iterable[str] = (),
+            positional: Optional[int] = None, typed: bool = False) -> None:
+        entry = self.chains.setdefault(chain, {"optional": True, "keywords": set(), "positional": set(), "where": []})
         entry["optional"] &= optional
         entry["keywords"].update(keywords)
+        if positional is not None:
+            entry["positional"].add(positional)
+        if typed:
+            self.typed.add(chain)
         if len(entry["where"]) < 3 and where not in entry["where"]:
             entry["where"].append(where)
-
-
-def _dotted(node: ast.AST) -> Optional[List[str]]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return [node.id] + parts[::-1]
-    return None
 
 
 def _torch_aliases(tree: ast.Module) -> Dict[str, str]:
@@ -92,16 +129,60 @@ def _torch_aliases(tree: ast.Module) -> Dict[str, str]:
     return aliases
 
 
+def _positional(call: ast.Call) -> Optional[int]:
+    """How many positional arguments ``call`` passes (None: unknown, a ``*args`` among them)."""
+    return None if any(isinstance(a, ast.Starred) for a in call.args) else len(call.args)
+
+
 def scan_file(path: Path, uses: Uses) -> None:
-    rel = str(path.relative_to(REPO))
+    rel = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
     tree = ast.parse(path.read_text(), filename=rel)
     aliases = _torch_aliases(tree)
 
     def chain_of(node: ast.AST) -> Optional[str]:
-        parts = _dotted(node)
+        parts = dotted(node)
         if parts and parts[0] in aliases:
             return ".".join([aliases[parts[0]]] + parts[1:])
         return None
+
+    def class_of(node: ast.AST, known: Dict[str, str]) -> Optional[str]:
+        """The torch class of what ``node`` evaluates to, where it is certain; else None."""
+        if isinstance(node, ast.Name):
+            return known.get(node.id)
+        if isinstance(node, ast.Call):
+            chain = chain_of(node.func)
+            if chain in RETURNS:
+                return RETURNS[chain]
+            if chain is not None and chain.startswith("torch.distributed.") and chain.rsplit(".", 1)[1] in \
+                    ASYNC_COLLECTIVES and any(k.arg == "async_op" and isinstance(k.value, ast.Constant)
+                                              and k.value.value is True for k in node.keywords):
+                return "torch.distributed.Work"
+            if chain is None and isinstance(node.func, ast.Attribute) and node.func.attr in METHOD_RETURNS:
+                return METHOD_RETURNS[node.func.attr]
+        chain = chain_of(node)
+        if chain == "torch.distributed.group.WORLD":
+            return "torch.distributed.ProcessGroup"
+        return None
+
+    def known_names(scope: ast.AST) -> Dict[str, str]:
+        """Names of ``scope`` (a function, or the module) bound to a known torch class: by assignment from a
+        call of known result, or by annotation (``stream: torch.cuda.Stream``).  A name bound to something else
+        anywhere in the scope is not known (no flow analysis)."""
+        known: Dict[str, str] = {}
+        other: Set[str] = set()
+        args = scope.args if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        for arg in (args.posonlyargs + args.args + args.kwonlyargs) if args else []:
+            cls = chain_of(arg.annotation) if arg.annotation is not None else None
+            (known.__setitem__(arg.arg, cls) if cls in STRICT_CLASSES else other.add(arg.arg))
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                cls = class_of(node.value, {})
+                name = node.targets[0].id
+                if cls is not None and known.get(name, cls) == cls and name not in other:
+                    known[name] = cls
+                else:
+                    other.add(name)
+        return {n: c for n, c in known.items() if n not in other}
 
     for value in set(aliases.values()):
         if value != "torch":
@@ -110,6 +191,13 @@ def scan_file(path: Path, uses: Uses) -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
             inner.add(id(node.value))
+    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    owner: Dict[int, Dict[str, str]] = {}  # node id -> known names of its innermost scope
+    for scope in scopes:  # (outer scopes first: inner ones overwrite)
+        names = known_names(scope)
+        for node in ast.walk(scope):
+            owner[id(node)] = names
+    called = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
     for node in ast.walk(tree):
         where = f"{rel}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Call):
@@ -124,22 +212,28 @@ def scan_file(path: Path, uses: Uses) -> None:
                 continue
             chain = chain_of(func)
             if chain is not None:
-                uses.add(chain, where, keywords=keywords)
+                uses.add(chain, where, keywords=keywords, positional=_positional(node))
             elif isinstance(func, ast.Attribute):
                 uses.attribute_names.setdefault(func.attr, set()).update(keywords)
                 uses.attribute_where.setdefault(func.attr, where)
         elif isinstance(node, ast.Attribute):
             chain = chain_of(node)
+            receiver = class_of(node.value, owner.get(id(node), {})) if chain is None else None
             if chain is not None and id(node) not in inner:
                 uses.add(chain, where)
+            elif receiver is not None:  # a method (or attribute) of an object of known class
+                call = called.get(id(node))
+                uses.add(f"{receiver}.{node.attr}", where, typed=True,
+                         keywords=[k.arg for k in call.keywords if k.arg] if call is not None else (),
+                         positional=_positional(call) if call is not None else None)
             elif chain is None:
                 uses.attribute_names.setdefault(node.attr, set())
                 uses.attribute_where.setdefault(node.attr, where)
 
 
-def scan_sources(roots: Iterable[str] = SOURCES) -> Uses:
+def scan_sources(roots: Optional[Iterable[str]] = None) -> Uses:
     uses = Uses()
-    for root in roots:
+    for root in roots if roots is not None else sources():
         path = REPO / root
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else []
         for f in files:
@@ -148,8 +242,10 @@ def scan_sources(roots: Iterable[str] = SOURCES) -> Uses:
 
 
 def instance_uses(uses: Uses, has_attribute: Callable[[str, str], bool]) -> None:
-    """Add ``torch.Tensor.<name>`` / ``torch.nn.Module.<name>`` for every attribute name the sources use that
-    the reference torch's class has (``has_attribute(class_chain, name)``)."""
+    """Add ``<class>.<name>`` for every attribute name the sources use on a receiver of unknown class that one of
+    ``INSTANCE_CLASSES`` has in the reference torch (``has_attribute(class_chain, name)``), with the keywords of
+    its calls (their positional arguments are not checked: another class's method of the same name may take
+    others)."""
     for name, keywords in sorted(uses.attribute_names.items()):
         if name.startswith("__"):
             continue
@@ -160,257 +256,36 @@ def instance_uses(uses: Uses, has_attribute: Callable[[str, str], bool]) -> None
                 uses.add(f"{cls}.{name}", uses.attribute_where[name], keywords=keywords)
 
 
+def installed_class(cls: str) -> object:
+    """``cls`` (a dotted chain) in the installed torch, imported."""
+    import importlib
+
+    module, _, name = cls.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def installed_has_attribute(cls: str, name: str) -> bool:
     """The reference: the installed torch (CI's), imported."""
-    import torch
-
-    obj = {"torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module}[cls]
-    return hasattr(obj, name)
-
-
-# ---------------------------------------------------------------------- torch's sources
-class Sources:
-    """torch's ``.py`` / ``.pyi`` files by path, from a wheel (zip) or an installed tree (a directory)."""
-
-    def __init__(self, location: Path) -> None:
-        self.location = location
-        if location.is_dir():
-            root = location.parent
-            self.files = {str(p.relative_to(root)): p for p in location.rglob("*.py*") if p.suffix in (".py", ".pyi")}
-            self._read = lambda name: self.files[name].read_text(errors="replace")
-        else:
-            archive = zipfile.ZipFile(location)
-            self.files = {n: n for n in archive.namelist() if n.startswith("torch/") and n.endswith((".py", ".pyi"))}
-            self._read = lambda name: archive.read(name).decode("utf-8", "replace")
-
-    def module_files(self, module: str) -> List[str]:
-        base = module.replace(".", "/")
-        found = [f for f in (base + "/__init__.py", base + "/__init__.pyi", base + ".py", base + ".pyi") if f in self.files]
-        return found
-
-    def is_package(self, module: str) -> bool:
-        base = module.replace(".", "/")
-        return base + "/__init__.py" in self.files or base + "/__init__.pyi" in self.files
-
-    def read(self, name: str) -> str:
-        return self._read(name)
-
-
-class _Module:
-    def __init__(self, name: str, is_package: bool) -> None:
-        self.name, self.is_package = name, is_package
-        self.names: Dict[str, tuple] = {}  # name -> ("def", [nodes]) | ("class", node) | ("value",) | ("ref", module, name) | ("module", m)
-        self.stars: List[str] = []
-        self.all: Optional[List[str]] = None
-        self.dynamic = False  # module-level __getattr__
-
-
-def _walk_body(body: List[ast.stmt]) -> Iterable[ast.stmt]:
-    """Statements of a module or class body, through if/try/with blocks (not into functions)."""
-    for stmt in body:
-        yield stmt
-        if isinstance(stmt, (ast.If, ast.Try, ast.With)) or type(stmt).__name__ == "TryStar":
-            for field in ("body", "orelse", "finalbody"):
-                yield from _walk_body(getattr(stmt, field, []) or [])
-            for handler in getattr(stmt, "handlers", []):
-                yield from _walk_body(handler.body)
-
-
-def _scope_names(body: List[ast.stmt], module: str, is_package: bool) -> Tuple[Dict[str, tuple], List[str], Optional[List[str]]]:
-    names: Dict[str, tuple] = {}
-    stars: List[str] = []
-    exported: Optional[List[str]] = None
-    for stmt in _walk_body(body):
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            previous = names.get(stmt.name)
-            nodes = previous[1] if previous and previous[0] == "def" else []
-            names[stmt.name] = ("def", nodes + [stmt])
-        elif isinstance(stmt, ast.ClassDef):
-            names[stmt.name] = ("class", stmt, module)
-        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            for target in targets:
-                for t in ast.walk(target):
-                    if isinstance(t, ast.Name) and t.id not in names:
-                        names[t.id] = ("value",)
-            value = stmt.value
-            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and value is not None:
-                try:
-                    listed = [n for n in ast.literal_eval(value)]
-                except (ValueError, TypeError, SyntaxError):
-                    listed = []
-                exported = (exported or []) + listed if isinstance(stmt, ast.AugAssign) else listed
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # __all__.extend([...])
-            func = stmt.value.func
-            if _dotted(func) == ["__all__", "extend"] and stmt.value.args:
-                try:
-                    exported = (exported or []) + list(ast.literal_eval(stmt.value.args[0]))
-                except (ValueError, TypeError, SyntaxError):
-                    pass
-        elif isinstance(stmt, ast.Import):
-            for a in stmt.names:
-                if a.asname:
-                    names[a.asname] = ("module", a.name)
-                else:
-                    top = a.name.split(".")[0]
-                    names.setdefault(top, ("module", top))
-        elif isinstance(stmt, ast.ImportFrom):
-            if stmt.level:
-                parts = module.split(".")
-                keep = len(parts) - stmt.level + (1 if is_package else 0)
-                base = ".".join(parts[:keep] + ([stmt.module] if stmt.module else []))
-            else:
-                base = stmt.module or ""
-            for a in stmt.names:
-                if a.name == "*":
-                    stars.append(base)
-                else:
-                    names[a.asname or a.name] = ("ref", base, a.name)
-    return names, stars, exported
-
-
-class Resolver:
-    """Does ``chain`` exist in the torch whose sources are given?  Answers "present", "absent" or "dynamic"
-    (the last module before the miss defines ``__getattr__``: not decidable statically)."""
-
-    def __init__(self, sources: Sources) -> None:
-        self.sources = sources
-        self._modules: Dict[str, Optional[_Module]] = {}
-
-    def module(self, name: str) -> Optional[_Module]:
-        if name not in self._modules:
-            self._modules[name] = None  # (cycles: a module being read has no names yet)
-            files = self.sources.module_files(name)
-            if not files:
-                return None
-            mod = _Module(name, self.sources.is_package(name))
-            for f in files:  # .py first, then the .pyi stub (C extensions: only the stub)
-                try:
-                    tree = ast.parse(self.sources.read(f))
-                except SyntaxError:
-                    continue
-                names, stars, exported = _scope_names(tree.body, name, mod.is_package)
-                for key, value in names.items():
-                    mod.names.setdefault(key, value)
-                mod.stars += stars
-                mod.all = exported if exported is not None else mod.all
-                mod.dynamic |= "__getattr__" in names
-            self._modules[name] = mod
-        return self._modules[name]
-
-    def lookup(self, module: str, name: str, seen: Optional[Set[Tuple[str, str]]] = None) -> Optional[tuple]:
-        """What ``module.name`` is: ("module", m) | ("class", node, m) | ("def", nodes) | ("value",) | ("dynamic",)."""
-        seen = seen if seen is not None else set()
-        if (module, name) in seen:
-            return None
-        seen.add((module, name))
-        mod = self.module(module)
-        if mod is None:
-            return None
-        entry = mod.names.get(name)
-        if entry is not None:
-            if entry[0] == "ref":
-                _, base, attr = entry
-                if self.sources.module_files(f"{base}.{attr}"):
-                    return ("module", f"{base}.{attr}")
-                return self.lookup(base, attr, seen)
-            return entry
-        if self.sources.module_files(f"{module}.{name}"):
-            return ("module", f"{module}.{name}")
-        for star in mod.stars:
-            star_mod = self.module(star)
-            if star_mod is None or (star_mod.all is not None and name not in star_mod.all):
-                continue
-            if star_mod.all is None and name.startswith("_"):
-                continue
-            found = self.lookup(star, name, seen)
-            if found is not None:
-                return found
-        return ("dynamic",) if mod.dynamic else None
-
-    def class_member(self, cls: tuple, name: str, depth: int = 0) -> Optional[tuple]:
-        _, node, module = cls
-        names, _, _ = _scope_names(node.body, module, False)
-        if name in names:
-            return names[name]
-        metaclass = [k.value for k in node.keywords if k.arg == "metaclass"]  # (class properties: group.WORLD)
-        for base in list(node.bases) + metaclass:
-            parts = _dotted(base)
-            if not parts or depth > 20:
-                continue
-            target = self.resolve_parts(module, parts)
-            if target is not None and target[0] == "class":
-                found = self.class_member(target, name, depth + 1)
-                if found is not None:
-                    return found
-        return None
-
-    def resolve_parts(self, module: str, parts: List[str]) -> Optional[tuple]:
-        """``parts`` as written in ``module``'s source (first part: a name of that module)."""
-        current = self.lookup(module, parts[0])
-        for part in parts[1:]:
-            if current is None:
-                return None
-            kind = current[0]
-            if kind == "module":
-                current = self.lookup(current[1], part)
-            elif kind == "class":
-                current = self.class_member(current, part)
-            else:  # a value or a function: deeper attributes are not checked
-                return current
-        return current
-
-    def resolve(self, chain: str) -> Tuple[str, Optional[tuple]]:
-        parts = chain.split(".")
-        if parts[0] != "torch":
-            return "absent", None
-        current: Optional[tuple] = ("module", "torch")
-        for part in parts[1:]:
-            if current is None:
-                break
-            kind = current[0]
-            if kind == "module":
-                current = self.lookup(current[1], part)
-            elif kind == "class":
-                current = self.class_member(current, part)
-            elif kind == "dynamic":
-                return "dynamic", None
-            else:
-                return "present", current
-        if current is None:
-            return "absent", None
-        return ("dynamic", None) if current[0] == "dynamic" else ("present", current)
-
-    def keyword_ok(self, target: Optional[tuple], keyword: str) -> Optional[bool]:
-        """Whether a call of ``target`` accepts ``keyword`` (None: not decidable, e.g. a value or no __init__)."""
-        if target is None:
-            return None
-        if target[0] == "class":
-            if any("dataclass" in ast.unparse(d) or "NamedTuple" in ast.unparse(d) for d in target[1].decorator_list) or \
-                    any("NamedTuple" in ast.unparse(b) for b in target[1].bases):
-                fields = [s.target.id for s in target[1].body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
-                return keyword in fields
-            answers = [self.keyword_ok(self.class_member(target, m), keyword) for m in ("__init__", "__new__")]
-            return True if True in answers else False if False in answers else None
-        if target[0] != "def":
-            return None
-        for fn in target[1]:
-            args = fn.args
-            if args.kwarg is not None or keyword in [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]:
-                return True
-        return False
+    return hasattr(installed_class(cls), name)
 
 
 # ---------------------------------------------------------------------- check / manifest
-def resolve_uses(uses: Uses, resolver: Resolver, reference: Optional[Resolver] = None) -> Dict[str, dict]:
+def resolve_uses(uses: Uses, resolver: Resolver, reference: Optional[Resolver] = None,
+                 installed: Callable[[str, str], bool] = installed_has_attribute) -> Dict[str, dict]:
     """Each use's status in ``resolver``'s torch: "present", "absent", or "unchecked" where the same static
     resolution in ``reference`` (the installed torch, where the code runs) does not find it either (a name
-    made at run time, e.g. C attributes missing from the stubs; a method of another class than Tensor's)."""
+    made at run time, e.g. C attributes missing from the stubs).  A method of a known receiver (``uses.typed``)
+    that the installed class lacks (``installed``) is "absent": misspelt, in every torch.  Keywords and numbers
+    of positional arguments likewise: absent where the reference decides it too."""
     out: Dict[str, dict] = {}
     for chain, use in sorted(uses.chains.items()):
         status, target = resolver.resolve(chain)
         ref_status, ref_target = reference.resolve(chain) if reference is not None else (status, target)
         entry = {"status": "unchecked" if ref_status != "present" and status != "present" else status}
+        if chain in uses.typed and status != "present":
+            cls, _, name = chain.rpartition(".")
+            if not installed(cls, name):
+                entry["status"] = "absent"
         keywords = {}
         for k in sorted(use["keywords"]):
             ok = resolver.keyword_ok(target, k)
@@ -419,6 +294,14 @@ def resolve_uses(uses: Uses, resolver: Resolver, reference: Optional[Resolver] =
             keywords[k] = "present" if ok else "absent" if ok is False else "unchecked"
         if keywords:
             entry["keywords"] = keywords
+        positional = {}
+        for n in sorted(use["positional"]):
+            ok = resolver.positional_ok(target, n)
+            ref_ok = reference.positional_ok(ref_target, n) if reference is not None else ok
+            ok = False if ref_ok is False else ok
+            positional[str(n)] = "present" if ok else "absent" if ok is False else "unchecked"
+        if positional:
+            entry["positional"] = positional
         out[chain] = entry
     return out
 
@@ -428,27 +311,39 @@ def problems(uses: Uses, manifest: Dict[str, dict], same_reference: bool = True)
     ``same_reference``: the installed torch is the one the manifest was made with; otherwise the instance
     methods it lists may differ (another torch's Tensor has other names) and those not listed are notes."""
     errors, notes = [], []
+    rerun = f"is not in {MANIFEST.name}: rerun with --download"
     for chain, use in sorted(uses.chains.items()):
         where = ", ".join(use["where"])
         entry = manifest.get(chain)
         if entry is None:
-            (errors if same_reference or chain not in uses.from_instances else notes).append(
-                f"{chain} ({where}) is not in {MANIFEST.name}: rerun with --download")
+            (errors if same_reference or chain not in uses.from_instances else notes).append(f"{chain} ({where}) {rerun}")
             continue
         if entry["status"] == "absent":
-            (notes if use["optional"] else errors).append(
-                f"{chain} ({where}) is absent in torch {TORCH_VERSION}" + (": the code falls back" if use["optional"] else ""))
+            if chain in uses.typed:
+                errors.append(f"{chain} ({where}): no such method or attribute (torch {TORCH_VERSION} and installed)")
+            else:
+                (notes if use["optional"] else errors).append(f"{chain} ({where}) is absent in torch {TORCH_VERSION}"
+                                                              + (": the code falls back" if use["optional"] else ""))
         for keyword in sorted(use["keywords"]):
             state = entry.get("keywords", {}).get(keyword)
             if state is None:
-                errors.append(f"{chain}({keyword}=) ({where}) is not in {MANIFEST.name}: rerun with --download")
+                errors.append(f"{chain}({keyword}=) ({where}) {rerun}")
             elif state == "absent":
                 errors.append(f"{chain}({keyword}=) ({where}): torch {TORCH_VERSION} has no keyword {keyword!r}")
+        for n in sorted(use["positional"]):
+            state = entry.get("positional", {}).get(str(n))
+            if state is None:
+                errors.append(f"{chain} with {n} positional arguments ({where}) {rerun}")
+            elif state == "absent":
+                errors.append(f"{chain} with {n} positional arguments ({where}): takes fewer (torch {TORCH_VERSION})")
     return errors, notes
 
 
 def download_wheel(directory: str) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"torch=={TORCH_VERSION}",
+    """torch 2.11's CPU-only wheel from PyPI: the macOS arm64 one (~80 MB; the Linux x86_64 wheel on PyPI is the
+    CUDA build).  Only its Python sources and stubs are read, the same in every platform's wheel."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--only-binary=:all:",
+                    "--platform", "macosx_11_0_arm64", "--python-version", "3.11", f"torch=={TORCH_VERSION}",
                     "-d", directory], check=True)
     return next(Path(directory).glob("torch-*.whl"))
 
@@ -484,7 +379,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("note:", note)
     for error in errors:
         print("ERROR:", error)
-    print(f"torch {TORCH_VERSION} API check: {len(uses.chains)} uses, {len(errors)} problems: "
+    by_class = {cls: sum(1 for c in uses.chains if c.rpartition(".")[0] == cls) for cls in INSTANCE_CLASSES}
+    print(f"scanned: {', '.join(sources())}")
+    print(f"torch {TORCH_VERSION} API check: {len(uses.chains)} uses ({len(uses.typed)} on receivers of known class; "
+          f"methods per class: {', '.join(f'{c.rpartition(chr(46))[2]} {n}' for c, n in by_class.items())}); "
+          f"{sum(len(u['keywords']) for u in uses.chains.values())} keywords and "
+          f"{sum(len(u['positional']) for u in uses.chains.values())} positional counts checked; {len(errors)} problems: "
           f"{'PASS' if not errors else 'FAIL'}")
     return 1 if errors else 0
 
