@@ -1,0 +1,77 @@
+"""A rank SIGKILLed under ``accelerate launch --max_restarts 1``: the job comes back by itself.
+
+``examples/resume_on_fault.py`` (async checkpoints every 2 steps, ``load_state()`` of the newest complete one at
+start) runs under ``tests/scripts/fault_on_rank.py``, which kills rank 1 on the first attempt at one of three
+points.  Spec, at each point: the job exits 0, its final weights equal an uninterrupted run's exactly, and the steps
+run twice are exactly those after the checkpoint it resumed from, which is the newest one that was complete.
+
+The launch uses the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README "Checkpoints"): with
+the agent's shared store, a restarted rank can read a dead peer's address left in it by the first attempt.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+from launch_helpers import CPU_FSDP_YAML, REPO, launch
+
+pytest.importorskip("accelerate")
+safetensors = pytest.importorskip("safetensors.torch")
+
+SCRIPT = REPO / "tests" / "scripts" / "fault_on_rank.py"
+STEPS = 8
+RESTARTS = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
+
+
+def _run(out: Path, fault: Optional[str] = None) -> Tuple[dict, List[int], Optional[int], List[int]]:
+    """Launch; returns the final weights, the steps of the first attempt, the step resumed from (None: no
+    restart) and the steps after the restart."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **({"FAULT": fault} if fault else {})}
+    # the launcher's own flags go before the script: launch() puts ``script`` right after its own
+    proc = launch(CPU_FSDP_YAML, RESTARTS[0], [*RESTARTS[1:], str(SCRIPT), "--output_dir", str(out),
+                                                 "--steps", str(STEPS)], env=env, timeout=600)
+    first, resumed_at, after = [], None, []
+    for line in proc.stdout.splitlines():
+        if m := re.match(r"resumed from .* at step (\d+)$", line):
+            resumed_at = int(m.group(1))
+        elif m := re.match(r"step (\d+) loss", line):
+            (after if resumed_at is not None else first).append(int(m.group(1)))
+    return safetensors.load_file(out / "final" / "model.safetensors"), first, resumed_at, after
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    weights, steps, resumed_at, _ = _run(tmp_path_factory.mktemp("uninterrupted"))
+    assert steps == list(range(1, STEPS + 1)) and resumed_at is None
+    return weights
+
+
+def _check(uninterrupted, out: Path, fault: str, expected_resume: Tuple[int, ...]) -> None:
+    weights, first, resumed_at, after = _run(out, fault)
+    assert resumed_at in expected_resume, (resumed_at, first)
+    assert after == list(range(resumed_at + 1, STEPS + 1))  # repeated: only the steps after that checkpoint
+    assert weights.keys() == uninterrupted.keys()
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)
+
+
+@pytest.mark.ci
+def test_rank_killed_mid_step_resumes_from_the_newest_complete_checkpoint(uninterrupted, tmp_path):
+    # killed in step 5: the step-4 checkpoint is complete, or still being written (then step 2's is the newest)
+    _check(uninterrupted, tmp_path, "mid_step:5", (2, 4))
+
+
+@pytest.mark.ci
+def test_rank_killed_during_a_background_write_resumes_from_the_checkpoint_before(uninterrupted, tmp_path):
+    _check(uninterrupted, tmp_path, "during_write:2", (2,))  # the step-4 save never committed
+    left = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert left == ["checkpoint_2", "checkpoint_3"], left  # total_limit=2 (checkpoint_1 was rewritten, then pruned)
+
+
+@pytest.mark.ci
+def test_rank_killed_right_after_a_commit_resumes_from_that_checkpoint(uninterrupted, tmp_path):
+    _check(uninterrupted, tmp_path, "after_commit:2", (4,))
