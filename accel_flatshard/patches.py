@@ -96,11 +96,22 @@ PATCHES: Tuple[Patch, ...] = (
           "TRL wraps reference/teacher models in torch FSDP itself; ours shards them with the policy's options",
           "trl 0.24.0, 1.16", also_bound_in=("trl.trainer.dpo_trainer",), scan_packages=("trl",),
           wraps_original=True, optional_owner=True),
+    Patch("trainer_save_model", "transformers.trainer", "Trainer.save_model",
+          "accel_flatshard.integrations.trainer_trl_peft:saving_final_model_in_full",
+          "under SHARDED_STATE_DICT (the README yaml) the Trainer's final `save_model()` wrote no weights, config or "
+          "tokenizer and said nothing (transformers' rule for torch FSDP): it writes the full model, as under "
+          "FULL_STATE_DICT; the Trainer's checkpoints keep their sharded layout", "transformers 4.57.6, 5.24",
+          wraps_original=True, essential=False, optional_owner=True),
     Patch("plugin_post_init", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.__post_init__",
           "accel_flatshard.integrations.config:post_init_without_device",
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
           "(sync_module_states prepares a GPU param_init_fn accel_flatshard never uses)",
           "accelerate 1.10.1, 1.16", wraps_original=True, essential=False, scope="register"),
+    Patch("partial_state_use_cpu", "accelerate.state", "PartialState.__init__",
+          "accel_flatshard.integrations.config:partial_state_reading_use_cpu",
+          "a script's `PartialState()` ignores ACCELERATE_USE_CPU (AcceleratorState reads it): on a host without CUDA "
+          "it recorded distributed_type NO with 1 process while W ranks run", "accelerate 1.10.1, 1.16",
+          wraps_original=True, essential=False, scope="register"),
     Patch("parallelism_config_check", "accelerate.parallelism_config", "ParallelismConfig._validate_accelerator",
           "accel_flatshard.integrations.config:validating_flatshard_layout",
           "accelerate refuses a parallelism_config unless torch FSDP2 or a multi-device type runs; accel_flatshard "

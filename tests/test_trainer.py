@@ -7,11 +7,12 @@ users have: the README's accelerate_configs/cpu_2proc.yaml (SHARDED_STATE_DICT) 
 cpu_2proc_fsdp2.yaml: ``fsdp_version: 2``).  Model: tiny Llama with an untied LM head, 8 steps of
 AdamW with weight decay, clipping and a linear schedule, checkpoint every 4 steps.
 
-Default suite: the DDP reference and one sharded launch with the README yaml (parity, sharding, final
-save, checkpoint layout, ``accelerate merge-weights``).  The rest is ``slow``.
+Default suite: the DDP reference and one sharded launch with the README yaml (parity, sharding, the final
+``save_model`` as the yaml configures it (SHARDED: written in full), checkpoint layout, ``accelerate merge-weights``).  The rest is ``slow``.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,9 +89,11 @@ def ddp_run(trainer_ddp) -> dict:
 
 @pytest.fixture(scope="module")
 def readme_run(work) -> dict:
-    """The README yaml (SHARDED_STATE_DICT), unmodified script, -m accel_flatshard.run."""
+    """The README yaml (SHARDED_STATE_DICT), unmodified script, -m accel_flatshard.run; the final
+    ``trainer.save_model(dir)`` as the yaml configures it (no switch to FULL_STATE_DICT first)."""
     out = work / "readme"
-    return _train(CPU_FSDP_YAML, out, "--save_steps", str(SAVE_AT), "--final_dir", str(out / "final"))
+    return _train(CPU_FSDP_YAML, out, "--save_steps", str(SAVE_AT), "--final_dir", str(out / "final"),
+                  "--final_save_as_configured")
 
 
 def test_readme_yaml_trains_sharded_like_ddp(readme_run, ddp_run):
@@ -100,8 +103,14 @@ def test_readme_yaml_trains_sharded_like_ddp(readme_run, ddp_run):
     assert _max_loss_diff(readme_run, ddp_run) <= LOSS_TOL
 
 
-def test_final_save_loads_with_from_pretrained_and_equals_ddp(readme_run, ddp_run):
-    assert _max_weight_diff(_weights(readme_run["dir"] / "final"), _weights(ddp_run["dir"] / "final")) <= WEIGHT_TOL
+def test_final_save_under_sharded_state_dict_writes_the_full_model(readme_run, ddp_run):
+    """Under SHARDED_STATE_DICT transformers' save_model writes nothing for torch FSDP (exit 0, no word): here the
+    user's final save writes weights and config, loadable with from_pretrained and equal to DDP's; the yaml's
+    state dict type stays SHARDED for the checkpoints."""
+    final = readme_run["dir"] / "final"
+    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file(), sorted(os.listdir(final))
+    assert _max_weight_diff(_weights(final), _weights(ddp_run["dir"] / "final")) <= WEIGHT_TOL
+    assert readme_run["state_dict_type"] == readme_run["state_dict_type_after_final_save"] == "StateDictType.SHARDED_STATE_DICT"
 
 
 def test_sharded_checkpoint_is_accelerates_layout(readme_run, ddp_run, tmp_path):
@@ -111,6 +120,7 @@ def test_sharded_checkpoint_is_accelerates_layout(readme_run, ddp_run, tmp_path)
     assert (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert (ckpt / "optimizer_0" / ".metadata").is_file()
     assert not (ckpt / "pytorch_model_fsdp.bin").exists()
+    assert not (ckpt / "model.safetensors").exists()  # the Trainer's checkpoints keep the sharded layout only
     merged = tmp_path / "merged"
     subprocess.run([str(ACCELERATE), "merge-weights", str(ckpt / "pytorch_model_fsdp_0"), str(merged)],
                    check=True, capture_output=True, text=True, timeout=300)

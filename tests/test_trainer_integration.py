@@ -106,16 +106,35 @@ def test_questionnaire_yamls_map_to_options(clean_env, name, reshard, state_dict
                                                                                      "transformer")
 
 
-def test_fsdp_launch_without_cuda_uses_accelerates_cpu_state(clean_env):
-    """TrainingArguments builds accelerate's state before any Accelerator: it must be the CPU (gloo) state."""
+@pytest.mark.parametrize("fsdp_env", [True, False], ids=["accelerate launch (ACCELERATE_USE_FSDP)",
+                                                           "torchrun + TrainingArguments(fsdp=...)"])
+def test_launch_without_cuda_uses_accelerates_cpu_state(clean_env, fsdp_env):
+    """TrainingArguments builds accelerate's state before any Accelerator: it must be the CPU (gloo) state, also
+    when FSDP is asked for only by a plugin object made later (TrainingArguments(fsdp=...), no yaml)."""
     clean_env.setattr(torch.cuda, "is_available", lambda: False)
-    clean_env.setenv("ACCELERATE_USE_FSDP", "true")
+    if fsdp_env:
+        clean_env.setenv("ACCELERATE_USE_FSDP", "true")
     clean_env.setenv("WORLD_SIZE", "1")
-    cfg.use_cpu_state_for_fsdp_launch()
+    cfg.use_cpu_state_for_launch()
     assert "ACCELERATE_USE_CPU" not in os.environ  # a single process: nothing to change
     clean_env.setenv("WORLD_SIZE", "2")
-    cfg.use_cpu_state_for_fsdp_launch()
+    cfg.use_cpu_state_for_launch()
     assert os.environ["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_partial_state_made_first_reads_use_cpu(clean_env):
+    """A script's PartialState() (before any Accelerator) gets the CPU path when ACCELERATE_USE_CPU is set, as
+    AcceleratorState does; accelerate's own ignores the variable."""
+    from accelerate.state import PartialState
+
+    seen = []
+    init = cfg.partial_state_reading_use_cpu(lambda self, cpu=False, **kwargs: seen.append((cpu, kwargs)))
+    init(None, backend="gloo")
+    clean_env.setenv("ACCELERATE_USE_CPU", "true")
+    init(None, backend="gloo")
+    init(None, cpu=True)
+    assert seen == [(False, {"backend": "gloo"}), (True, {"backend": "gloo"}), (True, {})]
+    assert "cpu" in __import__("inspect").signature(PartialState.__init__).parameters  # the argument it wraps
 
 
 def test_several_launched_processes_never_train_unsharded(clean_env):

@@ -24,6 +24,7 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why (R
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from types import MethodType
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -47,12 +48,12 @@ from . import fsdp_utils_shim
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, launched_world_size
 from .config import normalize_plugin_to_fsdp1, options_from_plugin
-from .config import requested_parallelism_config, use_cpu_state_for_fsdp_launch
+from .config import requested_parallelism_config, use_cpu_state_for_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 
-__all__ = ["Accelerator", "register", "clip_grad_norm_over_models"]
+__all__ = ["Accelerator", "register", "register_for_launch_without_runner", "clip_grad_norm_over_models"]
 
 
 class Accelerator(_BaseAccelerator):
@@ -120,9 +121,12 @@ class Accelerator(_BaseAccelerator):
     def _switch_to_fsdp(self, plugin: FullyShardedDataParallelPlugin) -> bool:
         """Turn accelerate's MULTI_CPU state into FSDP (what AcceleratorState does for GPU types)."""
         state = self.state
-        if state.distributed_type == DistributedType.FSDP:
+        if state.distributed_type == DistributedType.FSDP and "fsdp_plugin" in state.__dict__:
             return True  # a second Accelerator in the same process: the shared state is switched already
-        if state.distributed_type != DistributedType.MULTI_CPU or not dist.is_initialized():
+        # FSDP without a plugin: AcceleratorState was reset (not PartialState, whose copy of the type stays FSDP, as
+        # under accelerate's own FSDP) and set up again from PartialState: switch it again, as the first time
+        switched_before = state.distributed_type == DistributedType.FSDP
+        if not (state.distributed_type == DistributedType.MULTI_CPU or switched_before) or not dist.is_initialized():
             _refuse_unsharded_launch(state)
             warnings.warn(
                 "accel_flatshard: an FSDP config was given but this is a single process (WORLD_SIZE "
@@ -437,5 +441,18 @@ def register() -> None:
     above it), then applies every patch of :data:`.patches.PATCHES` and logs what it patched.
     """
     check_versions()
-    use_cpu_state_for_fsdp_launch()
+    use_cpu_state_for_launch()
     patches.install(register=True)
+
+
+def register_for_launch_without_runner() -> None:
+    """An FSDP launch of several processes without ``-m accel_flatshard.run`` (``accel_flatshard_autoload``, called
+    once accelerate is loaded): on a host without CUDA, where accelerate's own FSDP fails (FSDP1 configs) or trains
+    one unsharded copy per process (FSDP2 configs), :func:`register` as the runner does; with CUDA, nothing
+    (accelerate's torch FSDP runs as configured)."""
+    if torch.cuda.is_available():
+        return
+    logging.getLogger(__name__).warning(
+        "accel_flatshard: an FSDP launch without `-m accel_flatshard.run` on a host without CUDA, where accelerate's "
+        "own FSDP cannot shard: accelerate.Accelerator is accel_flatshard's here, as under the runner")
+    register()

@@ -428,11 +428,24 @@ def launched_world_size() -> int:
         return 1
 
 
-def use_cpu_state_for_fsdp_launch() -> None:
-    """Under an FSDP launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default
+def use_cpu_state_for_launch() -> None:
+    """Under a launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default
     (``ACCELERATE_USE_CPU``: gloo over all processes).  Else code that sets up accelerate's state before any
-    Accelerator exists (``TrainingArguments``) would get ``distributed_type NO`` and ``world_size`` 1."""
-    if not options.env_flag("ACCELERATE_USE_FSDP") or "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
+    Accelerator exists (``TrainingArguments``, ``PartialState()``) would get ``distributed_type NO`` and
+    ``world_size`` 1.  Not only under ``ACCELERATE_USE_FSDP``: ``TrainingArguments(fsdp=...)`` under torchrun
+    asks for FSDP with a plugin object its Trainer builds later, after it has set up the state."""
+    if "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
         return
     if launched_world_size() > 1:
         os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def partial_state_reading_use_cpu(original: Callable[..., None]) -> Callable[..., None]:
+    """``PartialState.__init__`` that reads ``ACCELERATE_USE_CPU`` as ``AcceleratorState`` does: a script's
+    ``PartialState()`` (TRL's scripts make one first) then sets up the same gloo state the Accelerator will."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+        return original(self, cpu=bool(cpu) or options.env_flag("ACCELERATE_USE_CPU"), **kwargs)
+
+    return __init__

@@ -10,17 +10,20 @@ Three functions of theirs know only torch's wrappers; :mod:`.patches` replaces e
 * ``trl.models.utils.prepare_fsdp(model, accelerator)`` wraps TRL's reference / teacher models in torch FSDP;
   :func:`sharding_reference_models` calls ``accelerator.prepare_model(model, evaluation_mode=True)`` instead when
   the accelerator shards with accel_flatshard (sharded like the policy, no gradients); any other gets TRL's.
+* ``transformers.Trainer.save_model`` writes nothing under SHARDED_STATE_DICT (transformers' rule for torch FSDP:
+  the checkpoints hold the shards): :func:`saving_final_model_in_full` writes the user's final model in full,
+  loadable with ``from_pretrained``, as under FULL_STATE_DICT; the Trainer's own checkpoints are unchanged.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
 from ..fully_sharded import FullyShardedDataParallel
 
-__all__ = ["seeing_through_wrapper", "sharding_reference_models"]
+__all__ = ["saving_final_model_in_full", "seeing_through_wrapper", "sharding_reference_models"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,3 +50,25 @@ def sharding_reference_models(original: Callable) -> Callable:
         return model
 
     return prepare_fsdp
+
+
+@functools.lru_cache(maxsize=None)
+def saving_final_model_in_full(original: Callable) -> Callable:
+    """``Trainer.save_model`` that writes the full model (weights, config, tokenizer) under SHARDED_STATE_DICT too
+    when the user calls it (the Trainer's checkpoints call it with ``_internal_call=True``: left as they are)."""
+    @functools.wraps(original)
+    def save_model(self: Any, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if (_internal_call or getattr(self.accelerator, "flatshard_options", None) is None
+                or "FULL_STATE_DICT" in str(plugin.state_dict_type)):
+            return original(self, output_dir, _internal_call)
+        from torch.distributed.fsdp import StateDictType
+
+        configured = plugin.state_dict_type
+        plugin.state_dict_type = StateDictType.FULL_STATE_DICT  # what transformers branches on (only for this call)
+        try:
+            return original(self, output_dir, _internal_call)
+        finally:
+            plugin.state_dict_type = configured
+
+    return save_model

@@ -11,13 +11,18 @@ The tests run it unmodified under accelerate's DDP (reference) and through
 * ``local_trainable_numel`` (one entry per rank): elements of the trainable parameters this rank holds
   (``numel`` of ``model.parameters()`` after training: a rank's shard when sharded, everything otherwise)
   and ``total_trainable_numel``: the model's size before training;
+* ``world_size_before_trainer``: ``TrainingArguments.world_size`` before the Trainer exists; ``main_was_first``
+  (per rank): whether the main process had finished its ``main_process_first`` block when this rank entered it;
 * ``final_dir``: where ``trainer.save_model`` wrote the final model (FULL_STATE_DICT for the final save,
-  as the transformers docs advise for FSDP), to be loaded with ``from_pretrained``;
+  as the transformers docs advise for FSDP, unless ``--final_save_as_configured``), to be loaded with
+  ``from_pretrained``; ``state_dict_type`` (``_after_final_save``): the plugin's, before and after it;
+* ``--fsdp`` / ``--fsdp_version``: the Trainer's own ``TrainingArguments(fsdp=..., fsdp_config=...)`` (no yaml);
 * ``best_model_checkpoint`` / ``eval_loss_after`` with ``--load_best_model_at_end``.
 """
 import argparse
 import json
 import os
+import time
 
 import datasets
 import torch
@@ -42,6 +47,10 @@ def parse_args():
     p.add_argument("--final_dir", default=None, help="trainer.save_model(final_dir) after training")
     p.add_argument("--stop_after", type=int, default=None, help="stop training after this many steps")
     p.add_argument("--torch_compile", action="store_true", help="TrainingArguments(torch_compile=True), use_cache=False")
+    p.add_argument("--fsdp", default=None, help="TrainingArguments(fsdp=...), e.g. 'full_shard auto_wrap' (no yaml)")
+    p.add_argument("--fsdp_version", type=int, default=None, help="with --fsdp: fsdp_config['version']")
+    p.add_argument("--final_save_as_configured", action="store_true",
+                   help="final save_model() without switching to FULL_STATE_DICT first")
     return p.parse_args()
 
 
@@ -81,6 +90,11 @@ def main():
     model = build_model(use_cache=not args.torch_compile)
     total_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     evaluate = args.load_best_model_at_end
+    fsdp = {}
+    if args.fsdp:
+        fsdp = {"fsdp": args.fsdp, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+        if args.fsdp_version is not None:
+            fsdp["fsdp_config"]["version"] = args.fsdp_version
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -107,7 +121,18 @@ def main():
         dataloader_drop_last=True,
         disable_tqdm=True,
         torch_compile=args.torch_compile,
+        **fsdp,
     )
+    world_size_before_trainer = training_args.world_size
+    # main_process_first must hold the other ranks until the main one is done (datasets' map cache relies on it)
+    marker = args.output_json + ".main_first"
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # both ranks reach the block together: only its own wait can order them
+    with training_args.main_process_first(desc="marker"):
+        if int(os.environ.get("RANK", "0")) == 0:
+            time.sleep(2.0)
+            open(marker, "w").close()
+        main_was_first = os.path.exists(marker)
     global_batch = args.per_device_batch_size * args.gradient_accumulation_steps * training_args.world_size
     train_ds = token_dataset(args.steps * global_batch, seed=1)
     eval_ds = token_dataset(2 * args.per_device_batch_size * training_args.world_size, seed=2)
@@ -119,6 +144,9 @@ def main():
     local_numel = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = {
         "world_size": training_args.world_size,
+        "world_size_before_trainer": world_size_before_trainer,
+        "main_was_first": trainer.accelerator.gather_for_metrics([main_was_first], use_gather_object=True),
+        "state_dict_type": str(trainer.accelerator.state.fsdp_plugin.state_dict_type) if trainer.is_fsdp_enabled else None,
         "parallel_mode": str(training_args.parallel_mode),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "parallelism": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
@@ -139,10 +167,12 @@ def main():
         result["eval_history"] = {str(e["step"]): e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
         result["eval_loss_after"] = trainer.evaluate()["eval_loss"]
     if args.final_dir:
-        if trainer.is_fsdp_enabled:
+        if trainer.is_fsdp_enabled and not args.final_save_as_configured:
             trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model(args.final_dir)
         result["final_dir"] = args.final_dir
+        if trainer.is_fsdp_enabled:
+            result["state_dict_type_after_final_save"] = str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
     if trainer.accelerator.is_main_process:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
