@@ -1,7 +1,7 @@
 """Global gradient-norm clipping over sharded gradients."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,14 @@ def scale_by_clip_coefficient(grads: List[torch.Tensor], max_norm: float, total_
     """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as
     ``torch.nn.utils.clip_grad_norm_`` does (always multiplies, also by exactly 1)."""
     clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    # one conversion per (device, dtype), not per gradient: under offload the coefficient is on the GPU and
+    # the gradients on the host, and each .to() is a blocking device -> host copy (a host sync)
+    coef_on: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
     for g in grads:
-        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
+        key = (g.device, g.dtype)
+        if key not in coef_on:
+            coef_on[key] = clip_coef.to(device=g.device, dtype=g.dtype)
+        g.mul_(coef_on[key])
 
 
 def _partial_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

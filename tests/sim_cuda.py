@@ -60,6 +60,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from accel_flatshard._compat import map_tensors
@@ -223,6 +224,20 @@ class SimulatedCuda(TorchDispatchMode):
         self.side_streams: List[SimStream] = []
         self._models: List[Any] = []  # weak references to the wrapped models whose buffers violations name
 
+    # ------------------------------------------------------------------ entering: ops, crossings, host readers
+    def __enter__(self):
+        self._crossings = _Crossings(self)
+        self._crossings.__enter__()
+        self._readers = _HostReaders(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._readers.close()
+            self._crossings.__exit__(*exc)
+
     # ------------------------------------------------------------------ torch.cuda surface
     def default_stream(self, index: int) -> SimStream:
         if index not in self._default:
@@ -350,7 +365,10 @@ class SimulatedCuda(TorchDispatchMode):
 
     # ------------------------------------------------------------------ op tracking
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():  # (the simulator's own tensor calls are not host crossings)
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         schema = func._schema
         reads, writes, non_blocking = [], [], False
         if schema.name.startswith("c10d::"):
@@ -446,6 +464,70 @@ class SimulatedCuda(TorchDispatchMode):
                     self.violations.append(f"{self._describe(buf)} written on {stream.name} while {r_stream.name} "
                                            f"may still read it (by {op})")
 
+    # ------------------------------------------------------------------ host <-> device crossings
+    def convert(self, src: torch.Tensor, device: Any, dtype: Optional[torch.dtype], non_blocking: bool,
+             copy: bool) -> torch.Tensor:
+        """``src.to(device, dtype, non_blocking, copy)`` with ``device`` "cpu" (the host), "cuda" (the simulated
+        device) or None, as CUDA does it:
+
+        * device -> host: a copy on the current stream.  Blocking: the host waits for that stream.
+          ``non_blocking``: the result is pinned memory (torch pins it) and the copy is asynchronous: the host may
+          read it only after synchronising on an event (or the stream) behind the copy;
+        * host -> device: a copy on the current stream; the host waits for it unless ``non_blocking`` from
+          pinned memory (from pageable memory CUDA stages it: synchronous to the host, as for ``copy_``);
+        * otherwise (same memory): torch's own conversion (no copy unless the dtype changes or ``copy``)."""
+        target = None if device is None else "device" if _is_cuda(device) else "host"
+        storage = _storage(src)
+        buf = self._buffer(storage, self.current_stream(self.device_index)) if storage is not None and storage.nbytes() else None
+        here = buf.placement if buf is not None else target
+        if target is None or target == here:
+            return torch.Tensor.to(src, dtype=dtype or src.dtype, non_blocking=non_blocking, copy=copy)
+        if target == "host":  # device -> host
+            out = torch.Tensor.to(src, "cpu", dtype=dtype or src.dtype, non_blocking=non_blocking, copy=True)
+            landed = self._buffers.get(out.untyped_storage()._cdata)
+            if landed is None:  # nothing copied (an empty slice)
+                return out
+            self._tally(landed, -1)
+            landed.placement, landed.pinned = "host", non_blocking
+            self._tally(landed, +1)
+            if not non_blocking:
+                self._host_waits_for(landed.write[0])
+            return out
+        out = torch.empty(src.shape, dtype=dtype or src.dtype)  # host -> device: a buffer of the current stream
+        out.copy_(src, non_blocking=non_blocking)
+        return out
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in the simulated device's memory (``tensor.device`` is then ``cuda:<index>``); a
+        tensor the simulation has not seen yet was made before it, on the device."""
+        storage = _storage(tensor)
+        if storage is None or tensor.device.type != "cpu":  # (meta, fake: not simulated)
+            return False
+        buf = self._buffers.get(storage._cdata) if storage.nbytes() else None
+        return buf is None or buf.placement == "device"
+
+    def host_read(self, tensor: torch.Tensor, what: str) -> None:
+        """The host reads ``tensor``'s memory outside an op (``torch.save``, safetensors, ``tolist``): host memory
+        must be known written (an asynchronous copy into it synchronised); device memory is read through a
+        blocking copy on the current stream (``numpy()`` of a CUDA tensor raises)."""
+        storage = _storage(tensor)
+        if storage is None or storage.nbytes() == 0:
+            return
+        stream = self.current_stream(self.device_index)
+        buf = self._buffer(storage, stream)
+        if buf.placement == "device":
+            if what == "numpy()":
+                self.violations.append(f"{self._describe(buf)}: numpy() of a device tensor (CUDA raises; copy it "
+                                       "to the host first)")
+            pos = stream.step()
+        else:
+            stream, pos = self.host, self.host.step()
+        self._check(buf, stream, False, what)
+        buf.reads[stream] = buf.uses[stream] = pos
+        buf.last_op[stream] = what
+        if stream is not self.host:
+            self._host_waits_for(stream)
+
     # ------------------------------------------------------------------ adapter notes
     def alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> _Buffer:
         stream = self.current_stream(self.device_index)
@@ -515,6 +597,96 @@ class SimulatedCuda(TorchDispatchMode):
             raise AssertionError(f"sim_cuda: persistent state on the device: {on_device}")
 
 
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int):  # torch reads a bare index as a CUDA device
+        return True
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+_DEVICE, _IS_CUDA = torch.Tensor.device, torch.Tensor.is_cuda  # (getters: ``func.__self__`` is the descriptor)
+
+
+class _Crossings(TorchFunctionMode):
+    """Calls that cross between host and device memory, which CPU tensors alone cannot show: ``.to()``,
+    ``.cpu()``, ``.cuda()`` (:meth:`SimulatedCuda.convert`), factories on the simulated device (``device="cuda"``:
+    a CPU tensor allocated on the current stream), host reads outside an op (``tolist``, ``numpy``)."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE or owner is _IS_CUDA:  # a tensor in the simulated device's memory says so
+            on_device = self.sim.on_device(args[0])
+            if owner is _IS_CUDA:
+                return on_device
+            return torch.device("cuda", self.sim.device_index) if on_device else func(*args, **kwargs)
+        if func is torch.Tensor.to:
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
+                                                                                   if k != "copy"})
+            return self.sim.convert(args[0], device, dtype, non_blocking, kwargs.get("copy", False))
+        if func is torch.Tensor.cpu:
+            return self.sim.convert(args[0], "cpu", None, False, False)
+        if func is torch.Tensor.cuda:
+            return self.sim.convert(args[0], "cuda", None, bool(kwargs.get("non_blocking", False)), False)
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+            self.sim.host_read(args[0], f"{func.__name__}()")
+        elif _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+# the simulated device's memory, for code that asks torch.cuda (generation's budget)
+SIMULATED_DEVICE_BYTES = 80 * 2**30
+
+
+class _HostReaders:
+    """While a simulation runs: ``torch.save`` and safetensors' serialisation read their tensors on the host
+    (:meth:`SimulatedCuda.host_read`); ``torch.cuda.mem_get_info`` answers for the simulated device."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        import safetensors.torch
+
+        if not hasattr(safetensors.torch, "_to_ndarray"):
+            raise RuntimeError("sim_cuda: safetensors.torch._to_ndarray (where save_file reads a tensor) is gone "
+                               "in this safetensors version: update sim_cuda._HostReaders")
+        self.saved = [(torch, "save", torch.save), (torch.serialization, "save", torch.serialization.save),
+                      (safetensors.torch, "_to_ndarray", safetensors.torch._to_ndarray),
+                      (torch.cuda, "mem_get_info", torch.cuda.mem_get_info)]
+        save, to_ndarray = torch.save, safetensors.torch._to_ndarray
+
+        def saving(obj, *args, **kwargs):
+            for t in _all_tensors(obj):
+                sim.host_read(t, "torch.save")
+            return save(obj, *args, **kwargs)
+
+        def serialising(tensor):
+            sim.host_read(tensor, "safetensors")
+            return to_ndarray(tensor)
+
+        def mem_get_info(device=None):
+            return SIMULATED_DEVICE_BYTES - sim._live_bytes["device"], SIMULATED_DEVICE_BYTES
+
+        for (module, name, _), fn in zip(self.saved, (saving, saving, serialising, mem_get_info)):
+            setattr(module, name, fn)
+
+    def close(self) -> None:
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+
+def _all_tensors(obj: Any) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _all_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _all_tensors(v)]
+    return []
+
+
 class SimCudaStreams(CudaStreams):
     """The production CUDA adapter with the simulated ``torch.cuda``; lifetime notes go to the simulator."""
 
@@ -578,14 +750,16 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     if old._gathers or old._reduces or old._reduced:
         raise RuntimeError("sim_cuda: attach the simulator before the first step")
     adapter = sim_adapter(sim)
-    new = Engine(group or old.group, old.device, old.reduce_dtype, old.max_inflight,
+    # the engine's device is the simulated one (what a GPU run has): what it makes there (the norm of
+    # clip_grad_norm_) and copies to the host are crossings the simulator sees (_Crossings)
+    new = Engine(group or old.group, adapter.device, old.reduce_dtype, old.max_inflight,
                  old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
     if old.offload is not None:
         # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
         new.offload, old.offload.streams = old.offload, adapter
         for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
             sim.place(host, "host", pinned=True)
-    stream_attrs = {"streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
+    stream_attrs = {"device", "streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
     if group is not None:
         stream_attrs |= {"group", "predivide", "postdivide"}
     differing = [k for k, v in vars(old).items()
@@ -596,6 +770,8 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
     schedule.engine = new
     for unit in schedule.units:
         unit.engine = new
+        for flat in unit.flat_params:  # made on the host before the simulation; on a GPU: the device's
+            flat.device = adapter.device
     sim.watch(model)
     return sim
 

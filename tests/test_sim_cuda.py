@@ -182,3 +182,64 @@ def test_a_buffer_allocated_on_one_stream_is_used_on_another_only_after_the_allo
     else:
         (violation,) = sim.violations
         assert violation.startswith("unsharded") and "before it waited for its allocation on compute0" in violation
+
+
+# ---------------------------------------------------------------------- device <-> host copies
+@pytest.mark.parametrize("how", ["cpu()", "to-cpu-non_blocking", "to-cpu-non_blocking-then-synchronize"])
+def test_a_device_to_host_copy_is_read_by_the_host_only_once_complete(how, tmp_path):
+    """``.cpu()`` blocks the host until the copy is done; ``.to("cpu", non_blocking=True)`` copies
+    asynchronously into pinned memory, which the host may read (torch.save, an op) only after a sync."""
+    sim, compute, side = _sim()
+    with sim:
+        result = torch.ones(4).mul_(3)  # a device result
+        assert result.device == torch.device("cuda", 0) and result.is_cuda  # as on a GPU
+        host = result.cpu() if how == "cpu()" else result.to("cpu", non_blocking=True)
+        assert host.device == torch.device("cpu")
+        if how.endswith("synchronize"):
+            done = sim.Event()
+            done.record(compute)
+            done.synchronize()
+        torch.save(host, tmp_path / "result.pt")  # the host reads it
+    pinned = sim._placement(host)
+    assert pinned.placement == "host" and pinned.pinned == (how != "cpu()")
+    if how == "to-cpu-non_blocking":
+        (violation,) = sim.violations
+        assert "read on host before its write on compute0 was waited for" in violation and "torch.save" in violation
+    else:
+        assert sim.violations == []
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_non_blocking_copy_into_pageable_host_memory_is_synchronous(pinned):
+    """``host.copy_(device, non_blocking=True)``: asynchronous only into pinned memory; into pageable memory
+    CUDA completes it before returning, so the host may read at once."""
+    sim, compute, side = _sim()
+    with sim:
+        result = torch.ones(4).mul_(3)
+        host = torch.empty(4)
+        sim.place(host, "host", pinned=pinned)
+        host.copy_(result, non_blocking=True)
+        host.tolist()  # the host reads it
+    assert bool(sim.violations) == pinned, sim.violations
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_host_to_device_copy_from_pinned_memory_may_still_read_it(non_blocking):
+    """``.to("cuda", non_blocking=True)`` from pinned memory reads it asynchronously: the host must not write
+    it until the copy is known done; a blocking ``.to("cuda")`` returns once the copy is done."""
+    sim, compute, side = _sim()
+    with sim:
+        host = torch.ones(4)
+        sim.place(host, "host", pinned=True)
+        on_device = host.to("cuda", non_blocking=non_blocking)
+        assert on_device.is_cuda
+        host.add_(1.0)  # the host writes the pinned source
+    assert bool(sim.violations) == non_blocking, sim.violations
+
+
+def test_the_host_cannot_read_device_memory_directly():
+    """numpy() of a CUDA tensor raises on a GPU; the simulator reports it (CPU tensors would allow it)."""
+    sim, compute, side = _sim()
+    with sim:
+        torch.ones(4).mul_(2).numpy()
+    assert any("numpy() of a device tensor" in v for v in sim.violations), sim.violations

@@ -249,6 +249,22 @@ def clip(model, run):
     return [norms, losses]
 
 
+def save_pretrained(model, run, how):
+    """``accelerator.get_state_dict`` (``full_state_dict(rank0_only, cpu_offload)``: copies to the host) then
+    ``save_pretrained(state_dict=...)``, or ``save_pretrained`` of the unwrapped module (its ``state_dict()``
+    gathers): safetensors reads every tensor on the host, which must be a completed copy."""
+    from safetensors.torch import load_file
+
+    opt, x = _sgd(model), batches(1)
+    losses = [_step(model, opt, x[0])]
+    out = run.tmp / "hf"
+    if how == "get_state_dict":
+        model.module.save_pretrained(out, state_dict=full_state_dict(model, rank0_only=True, cpu_offload=True))
+    else:
+        model.module.save_pretrained(out)
+    return [load_file(out / "model.safetensors"), losses]
+
+
 def no_sync(model, run):
     opt, losses = _sgd(model), []
     for x in batches(2):
@@ -530,9 +546,28 @@ def test_checkpoint_save_and_load_of_model_and_optimizer(variant, kind, tmp_path
     _both(variant, functools.partial(checkpoint, kind=kind), tmp_path)
 
 
-@_grid("variant", THREE, default=["hybrid"])
+@_grid("variant,how", _product(TWO, ["get_state_dict", "save_pretrained"]),
+       default=[("offload", "get_state_dict"), ("plain", "save_pretrained")])
+def test_save_pretrained_reads_completed_host_copies(variant, how, tmp_path):
+    _both(variant, functools.partial(save_pretrained, how=how), tmp_path)
+
+
+@_grid("variant", THREE, default=["hybrid", "offload"])
 def test_clip_grad_norm(variant, tmp_path):
     _both(variant, clip, tmp_path)
+
+
+def test_clip_grad_norm_under_offload_syncs_the_host_twice_not_per_parameter():
+    """The host norms go to the device for the all-reduce (one blocking copy) and the clip coefficient comes
+    back once per (device, dtype) of the gradients, not once per gradient (each is a blocking copy)."""
+    model, sim = simulated("offload")
+    x = batches(1)[0]
+    with sim:
+        _loss(model, x).backward()
+        before = sim.host_syncs
+        model.clip_grad_norm_(0.05)
+    assert sim.violations == []
+    assert sim.host_syncs - before == 2, f"{sim.host_syncs - before} host syncs for {len(model.flat_params)} flat parameters"
 
 
 @_grid("variant", THREE, default=["offload"])
