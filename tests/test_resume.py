@@ -5,7 +5,8 @@ start) runs under ``tests/scripts/fault_on_rank.py``, which kills rank 1 on the 
 points.  Spec, at each point: the job exits 0, its final weights equal an uninterrupted run's exactly, and the steps
 run twice are exactly those after the checkpoint it resumed from, which is the newest one that was complete.
 
-The launch uses the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README "Checkpoints"): with
+The Trainer (``tests/scripts/trainer_resume.py``, ``resume_from_checkpoint=True``) is killed during a background
+write.  The launch uses the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README "Checkpoints"): with
 the agent's shared store, a restarted rank can read a dead peer's address left in it by the first attempt.
 """
 from __future__ import annotations
@@ -28,10 +29,10 @@ STEPS = 8
 RESTARTS = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
 
 
-def _run(out: Path, fault: Optional[str] = None) -> Tuple[dict, List[int], Optional[int], List[int]]:
+def _run(out: Path, fault: Optional[str] = None, **env: str) -> Tuple[dict, List[int], Optional[int], List[int]]:
     """Launch; returns the final weights, the steps of the first attempt, the step resumed from (None: no
     restart) and the steps after the restart."""
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **({"FAULT": fault} if fault else {})}
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **({"FAULT": fault} if fault else {}))
     # the launcher's own flags go before the script: launch() puts ``script`` right after its own
     proc = launch(CPU_FSDP_YAML, RESTARTS[0], [*RESTARTS[1:], str(SCRIPT), "--output_dir", str(out),
                                                  "--steps", str(STEPS)], env=env, timeout=600)
@@ -51,8 +52,8 @@ def uninterrupted(tmp_path_factory):
     return weights
 
 
-def _check(uninterrupted, out: Path, fault: str, expected_resume: Tuple[int, ...]) -> None:
-    weights, first, resumed_at, after = _run(out, fault)
+def _check(uninterrupted, out: Path, fault: str, expected_resume: Tuple[int, ...], **env: str) -> None:
+    weights, first, resumed_at, after = _run(out, fault, **env)
     assert resumed_at in expected_resume, (resumed_at, first)
     assert after == list(range(resumed_at + 1, STEPS + 1))  # repeated: only the steps after that checkpoint
     assert weights.keys() == uninterrupted.keys()
@@ -75,3 +76,24 @@ def test_rank_killed_during_a_background_write_resumes_from_the_checkpoint_befor
 @pytest.mark.ci
 def test_rank_killed_right_after_a_commit_resumes_from_that_checkpoint(uninterrupted, tmp_path):
     _check(uninterrupted, tmp_path, "after_commit:2", (4,))
+
+
+# ---------------------------------------------------------------------- the Trainer
+TRAINER = dict(FAULT_SCRIPT=str(REPO / "tests" / "scripts" / "trainer_resume.py"))
+
+
+@pytest.fixture(scope="module")
+def trainer_uninterrupted(tmp_path_factory):
+    """The Trainer with asynchronous checkpoints; its final weights equal synchronous checkpoints' exactly."""
+    weights, steps, resumed_at, _ = _run(tmp_path_factory.mktemp("trainer_async"), FLATSHARD_ASYNC_SAVE="1", **TRAINER)
+    assert steps == list(range(1, STEPS + 1)) and resumed_at is None
+    sync, _, _, _ = _run(tmp_path_factory.mktemp("trainer_sync"), **TRAINER)
+    assert sync.keys() == weights.keys() and all(torch.equal(sync[k], weights[k]) for k in sync)
+    return weights
+
+
+@pytest.mark.ci
+def test_trainer_rank_killed_during_a_background_write_resumes_with_resume_from_checkpoint_true(
+        trainer_uninterrupted, tmp_path):
+    _check(trainer_uninterrupted, tmp_path, "during_write:2", (2,), FLATSHARD_ASYNC_SAVE="1", **TRAINER)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8", "final"]  # save_total_limit=2

@@ -83,7 +83,7 @@ def missing_parts(directory: str) -> Optional[List[str]]:
 
 def check_complete(directory: str) -> None:
     """Raise :class:`CheckpointError` naming what is missing when ``directory`` is not a complete checkpoint."""
-    missing = missing_parts(directory)
+    missing = missing_parts(directory) if os.path.isdir(directory) else None
     if missing:
         parent = os.path.dirname(os.path.abspath(directory))
         raise CheckpointError(
@@ -99,10 +99,13 @@ def _numbered_dirs(root: str) -> List[Tuple[int, str]]:
     return sorted(found)
 
 
-def newest_complete_checkpoint(root: str) -> Optional[str]:
+def newest_complete_checkpoint(root: str, prefix: str = "") -> Optional[str]:
     """The complete checkpoint folder of ``root`` with the highest number (``checkpoint_<n>``,
-    ``checkpoint-<n>``, ...), skipping incomplete ones (logged); None when there is none."""
+    ``checkpoint-<n>``, ...; names starting with ``prefix``), skipping incomplete ones (logged); None when there
+    is none."""
     for _, path in reversed(_numbered_dirs(root)):
+        if not os.path.basename(path).startswith(prefix):
+            continue
         missing = missing_parts(path)
         if missing is None:
             return path
@@ -110,16 +113,18 @@ def newest_complete_checkpoint(root: str) -> Optional[str]:
     return None
 
 
-def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0) -> List[str]:
-    """Delete the oldest numbered folders of ``root`` (incomplete ones first) until at most ``total_limit -
-    reserve`` remain (``reserve``: folders about to be created), never the newest complete one: with
-    ``total_limit=1`` the previous checkpoint stays until the next one committed.  Returns the deleted paths."""
+def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, prefix: str = "",
+                      protect: Sequence[Optional[str]] = ()) -> List[str]:
+    """Delete the oldest numbered folders of ``root`` (names starting with ``prefix``; incomplete ones first)
+    until at most ``total_limit - reserve`` remain (``reserve``: folders about to be created), never the newest
+    complete one nor those in ``protect`` (the best one): with ``total_limit=1`` the previous checkpoint stays until
+    the next one committed.  Returns the deleted paths."""
     if not total_limit or total_limit <= 0:
         return []
-    folders = [path for _, path in _numbered_dirs(root)]
-    keep = newest_complete_checkpoint(root)
+    folders = [path for _, path in _numbered_dirs(root) if os.path.basename(path).startswith(prefix)]
+    keep = {newest_complete_checkpoint(root, prefix)} | {os.path.normpath(p) for p in protect if p}
     incomplete = [p for p in folders if missing_parts(p) is not None]
-    doomed = incomplete + [p for p in folders if p not in incomplete and p != keep]
+    doomed = [p for p in incomplete + [p for p in folders if p not in incomplete] if p not in keep]
     deleted: List[str] = []
     for path in doomed:
         if len(folders) - len(deleted) <= max(total_limit - reserve, 0):

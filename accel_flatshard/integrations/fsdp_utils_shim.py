@@ -121,6 +121,7 @@ def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, 
     directory = os.fspath(input_dir).rstrip(os.sep)
     if os.path.basename(directory) == dir_name:  # accelerate accepts the checkpoint folder or this directory
         directory = os.path.dirname(directory)
+    commit.check_complete(directory)  # a save_state / Trainer checkpoint whose save was interrupted
     sharded, full = os.path.join(directory, dir_name), os.path.join(directory, file_name)
     main = accelerator.process_index == 0
     found = ("sharded" if os.path.isdir(sharded) else "full" if os.path.isfile(full) else None) if main else None
@@ -136,6 +137,26 @@ def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, 
     accelerator.wait_for_everyone()
 
 
+class _Snapshots:
+    """Set while an asynchronous ``save_state`` or Trainer checkpoint runs: ``save_fsdp_model`` /
+    ``save_fsdp_optimizer`` then copy the state to host memory and add the writer of their part to ``parts``."""
+
+    parts: Optional[List[Tuple[str, Callable[[Any], None]]]] = None
+    readies: Optional[List[Callable[[], None]]] = None
+
+
+SNAPSHOTS = _Snapshots()
+
+
+def _snapshot(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str],
+              entries: Callable[[], Tuple[Any, Dict, Dict]], gather_full: Callable[[], Dict[str, Any]]) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
+    path = os.path.join(output_dir, names[0] if sharded else names[1])
+    SNAPSHOTS.parts.append(_snapshot_part(sharded, accelerator.process_index == 0, path, entries, gather_full,
+                                          SNAPSHOTS.readies))
+
+
 # ---------------------------------------------------------------------- the four functions
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output_dir: str, model_index: int = 0,
                     adapter_only: bool = False, use_dcp: bool = True) -> None:
@@ -148,6 +169,9 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_model")
+    if SNAPSHOTS.parts is not None:
+        return _snapshot(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index),
+                         lambda: model_entries(wrapped), lambda: full_state_dict(wrapped))
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped))
 
@@ -174,6 +198,9 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
+    if SNAPSHOTS.parts is not None:
+        return _snapshot(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index),
+                         lambda: optimizer_entries(wrapped, optimizer), lambda: full_optim_state_dict(wrapped, optimizer))
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
           lambda path: save_sharded_optimizer(wrapped, optimizer, path),
           lambda: full_optim_state_dict(wrapped, optimizer))
@@ -233,11 +260,10 @@ def _parts(acc: Any, sharded: bool) -> List[str]:
     return parts + [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
 
 
-def _snapshot_part(acc: Any, output_dir: str, names: Tuple[str, str], entries: Callable[[], Tuple[Any, Dict, Dict]],
+def _snapshot_part(sharded: bool, main: bool, path: str, entries: Callable[[], Tuple[Any, Dict, Dict]],
                    gather_full: Callable[[], Dict[str, Any]], readies: List[Callable[[], None]]) -> Tuple[str, Callable]:
-    """This step's state of one model or optimizer in host memory (collective), and the writer of its part."""
-    sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
-    path = os.path.join(output_dir, names[0] if sharded else names[1])
+    """This step's state of one model or optimizer in host memory (collective), and the writer of its part
+    (``path``: its DCP directory when ``sharded``, else the file rank 0 writes)."""
     if sharded:
         group, live, meta = entries()
         snapshot, ready = commit.snapshot_entries(live)
@@ -245,7 +271,6 @@ def _snapshot_part(acc: Any, output_dir: str, names: Tuple[str, str], entries: C
         logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
         return path, lambda writer: save_entries(writer, path, snapshot, meta)
     state = gather_full()  # CPU copies on rank 0 (its snapshot), {} elsewhere
-    main = acc.process_index == 0
     return path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))
 
 
@@ -293,21 +318,11 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     parts: List[Tuple[str, Callable[[Any], None]]] = []
     readies: List[Callable[[], None]] = []
     if background:
-        def snapshot_model(plugin: Any, accelerator: Any, model: Any, directory: str, model_index: int) -> None:
-            wrapped = find_wrapper(model)
-            parts.append(_snapshot_part(acc, directory, accelerate_names(FSDP_MODEL_NAME, model_index),
-                                        lambda: model_entries(wrapped), lambda: full_state_dict(wrapped), readies))
-
-        def snapshot_optimizer(plugin: Any, accelerator: Any, opt: Any, model: Any, directory: str,
-                               optimizer_index: int) -> None:
-            wrapped, plain = find_wrapper(model), plain_optimizer(opt)
-            parts.append(_snapshot_part(acc, directory, accelerate_names(OPTIMIZER_NAME, optimizer_index),
-                                        lambda: optimizer_entries(wrapped, plain),
-                                        lambda: full_optim_state_dict(wrapped, plain), readies))
-
-        _each_model_and_optimizer(acc, output_dir, snapshot_model, snapshot_optimizer)
-    else:
+        SNAPSHOTS.parts, SNAPSHOTS.readies = parts, readies  # save_fsdp_* take snapshots instead of writing
+    try:
         _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
+    finally:
+        SNAPSHOTS.parts = SNAPSHOTS.readies = None
     for hook in acc._save_model_state_pre_hook.values():
         hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
     save_on_each_node = config.save_on_each_node
@@ -376,3 +391,66 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
             "registered objects.")
     for index, obj in enumerate(acc._custom_objects):
         load_custom_state(obj, input_dir, index)
+
+
+# ---------------------------------------------------------------------- Trainer checkpoints (patches.py)
+def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._save_checkpoint`` of an accel_flatshard model: the checkpoint gets the commit marker once every
+    rank's files are written; under ``FLATSHARD_ASYNC_SAVE`` its model (SHARDED) and optimizer are written in the
+    background; ``save_total_limit`` is applied after the commit, never deleting the newest complete checkpoint."""
+    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        acc = self.accelerator
+        if not any(isinstance(m, FullyShardedDataParallel) for m in acc._models):
+            return original(self, model, trial, *args, **kwargs)
+        if commit.SAVES.in_flight is not None:
+            commit.wait_for_saves()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
+        parts = [accelerate_names(FSDP_MODEL_NAME, 0)[0] + "/"] if sharded else []
+        if not self.args.save_only_model:
+            parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0] + "/" if sharded else accelerate_names(OPTIMIZER_NAME, 0)[1])
+        manifest = {"parts": parts + ["trainer_state.json"], "step": self.state.global_step,
+                    "world_size": acc.num_processes}
+        if acc.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
+                os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
+            write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
+        acc.wait_for_everyone()
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+        background = getattr(acc, "flatshard_async_save", False)
+        writes: List[Tuple[str, Callable[[Any], None]]] = []
+        readies: List[Callable[[], None]] = []
+        if background:
+            SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
+        self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
+        try:
+            result = original(self, model, trial, *args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
+            SNAPSHOTS.parts = SNAPSHOTS.readies = None
+
+        def commit_marker() -> None:
+            write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
+            os.remove(os.path.join(output_dir, commit.PENDING_FILE))
+            commit.prune_checkpoints(run_dir, limit, prefix="checkpoint-", protect=[best])
+
+        if background:
+            shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
+            writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
+            commit.start_save(output_dir, writes, writer, lambda: _run_all(readies), commit_marker, background=True)
+            return result
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            commit_marker()
+        acc.wait_for_everyone()
+        return result
+
+    return _save_checkpoint
+
+
+def newest_complete_trainer_checkpoint(folder: str) -> Optional[str]:
+    """``transformers.trainer_utils.get_last_checkpoint``, skipping incomplete checkpoints (``resume_from_checkpoint
+    =True``)."""
+    return commit.newest_complete_checkpoint(folder, prefix="checkpoint-")

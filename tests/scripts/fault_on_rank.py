@@ -1,4 +1,4 @@
-"""Run ``examples/resume_on_fault.py`` with a fault injected on its first attempt: rank ``FAULT_RANK`` (default 1)
+"""Run ``examples/resume_on_fault.py`` (or the script ``FAULT_SCRIPT`` names) with a fault injected on its first attempt: rank ``FAULT_RANK`` (default 1)
 SIGKILLs itself at ``FAULT`` = ``<point>:<n>`` (tests/test_resume.py):
 
 * ``mid_step:<n>``: in the n-th optimizer step, after its backward (torch's optimizer step pre-hook);
@@ -71,5 +71,6 @@ if __name__ == "__main__":
     if fault and first_attempt and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
         point, n = fault.split(":")
         install(point, int(n))
-    sys.argv = [EXAMPLE, *sys.argv[1:]]
-    runpy.run_path(EXAMPLE, run_name="__main__")
+    script = os.environ.get("FAULT_SCRIPT", EXAMPLE)
+    sys.argv = [script, *sys.argv[1:]]
+    runpy.run_path(script, run_name="__main__")
