@@ -151,7 +151,9 @@ class CudaStreams(HostAdapter):
         waiter.wait_event(event)
 
     def record(self, stream: Any) -> Any:
-        event = self.api.Event()
+        # blocking: a host that synchronises on it (the gather rate limit, the offload copies) sleeps instead
+        # of spinning a core for the whole wait (README, "CUDA events")
+        event = self.api.Event(blocking=True)
         event.record(stream)
         return event
 

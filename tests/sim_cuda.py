@@ -134,8 +134,11 @@ class _HostStream(SimStream):
 
 
 class SimEvent:
-    def __init__(self, sim: "SimulatedCuda") -> None:
-        self.sim, self.clock, self.source = sim, {}, None
+    """``kind``: "blocking" (``blocking=True``: the host thread sleeps in ``synchronize``), "spinning" (torch's
+    default: it busy-waits on a core), "implicit" (the simulator's own: a blocking copy, ``.item()``)."""
+
+    def __init__(self, sim: "SimulatedCuda", kind: str = "implicit") -> None:
+        self.sim, self.clock, self.source, self.kind = sim, {}, None, kind
 
     def record(self, stream: Optional[SimStream] = None) -> None:
         stream = stream if stream is not None else self.sim.current_stream()
@@ -147,6 +150,7 @@ class SimEvent:
     def synchronize(self) -> None:
         _merge(self.sim.host_clock, self.clock)
         self.sim.host_syncs += 1
+        self.sim.event_syncs[self.kind] += 1
 
 
 def _merge(into: Dict[SimStream, int], other: Dict[SimStream, int]) -> None:
@@ -209,6 +213,7 @@ class SimulatedCuda(TorchDispatchMode):
         self.host_clock: Dict[SimStream, int] = {}
         self.host = _HostStream(self)
         self.host_syncs = 0
+        self.event_syncs: Dict[str, int] = collections.Counter()  # host synchronisations by SimEvent.kind
         self.streams_used: set = set()
         self.log: List[tuple] = []
         self.violations: List[str] = []
@@ -256,8 +261,8 @@ class SimulatedCuda(TorchDispatchMode):
         self.side_streams.append(stream)
         return stream
 
-    def Event(self) -> SimEvent:  # noqa: N802
-        return SimEvent(self)
+    def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> SimEvent:  # noqa: N802
+        return SimEvent(self, "blocking" if blocking else "spinning")
 
     @contextlib.contextmanager
     def stream(self, stream: SimStream) -> Iterator[None]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from accel_flatshard import BackwardPrefetch, FullyShardedDataParallel, transformer_auto_wrap_policy
+from accel_flatshard import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.engine import Engine
 from accel_flatshard.flat_param import FlatParameter
 from accel_flatshard.engine import HIGH_PRIORITY, CudaStreams, HostAdapter
@@ -50,6 +50,15 @@ def test_simulated_cuda_schedule_trains_exactly_like_the_plain_model():
     assert isinstance(model._schedule.engine.streams, CudaStreams)
     assert _train(model, sim=sim) == _train(llama(n_layer=LAYERS))
     assert sim.violations == []
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
+def test_the_host_synchronises_only_on_blocking_events(offload):
+    """The host waits on events in the gather rate limit and for the offload copies: created with
+    ``blocking=True`` so that the waiting thread sleeps instead of spinning a core (README, "CUDA events")."""
+    model, sim = _simulated(cpu_offload=CPUOffload(offload_params=offload))
+    _train(model, steps=2, sim=sim)
+    assert sim.event_syncs["blocking"] > 0 and sim.event_syncs["spinning"] == 0, dict(sim.event_syncs)
 
 
 def test_at_most_n_full_gradients_are_alive_during_backward():
