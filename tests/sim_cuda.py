@@ -24,7 +24,11 @@ Model
   resized storage) while a stream other than the allocating one may still use it, unless the allocating
   stream, the host or a stream registered with ``record_stream`` knows that use is done; ``record_stream``
   keeps the block reserved until the host has seen that stream pass the free (``peak`` counts such
-  buffers as alive).
+  buffers as alive).  A ``record_stream`` of a storage already resized to 0 keeps nothing (on a GPU the
+  block went back to its pool at the resize).
+* Per-stream pools: a block comes from its allocating stream's pool and may still be in use by that
+  stream's earlier work, so another stream that uses a buffer first must be ordered after the allocation
+  (an op's output is covered by the write check; a resize, e.g. the gathered buffer, by this one).
 * Labels: the engine's ``note_alloc(tensor, kind)`` names buffers ("unsharded", "full_grad"); ``peak[kind]``
   is the most buffers of a kind alive at once.  A violation names the tensor (a watched model's shard,
   gradient or gathered buffer: ``local_shard of model.layers.1[0]``; or ``sim.name(tensor, label)``), the
@@ -39,6 +43,14 @@ stream wrote (e.g. a CPU optimizer step on a gradient copied back on a side stre
 synchronize.  An op that mixes host and device tensors (a host<->device copy) runs on the current stream;
 the host then waits for that stream (as ``cudaMemcpy`` does) unless the copy is ``non_blocking`` and its
 host side pinned.
+Crossings (:class:`_Crossings`, a ``TorchFunctionMode``): a tensor in device memory reports ``device`` cuda:<index>
+and ``is_cuda``; ``.to()`` / ``.cpu()`` / ``.cuda()`` between host and device are copies on the current stream
+(:meth:`SimulatedCuda.convert`): device -> host blocking (the host waits) or ``non_blocking`` (into pinned memory,
+asynchronous: the host must synchronise before reading it); host -> device blocking unless ``non_blocking`` from
+pinned memory; a factory with ``device="cuda"`` allocates on the current stream.  The host reads memory outside
+ops too: ``torch.save``, safetensors (``save_pretrained``), ``tolist()`` (:meth:`SimulatedCuda.host_read`;
+``numpy()`` of device memory is reported, as CUDA raises).  Host synchronisations are counted by event kind
+(``event_syncs``: blocking, spinning, implicit); the simulator has no clock, so it counts waits, not their time.
 :meth:`SimulatedCuda.device_storages` / :meth:`assert_on_host` check that nothing persistent lives on the
 device; ``peak_bytes["device"]`` is the device's peak of tracked bytes.
 
