@@ -190,3 +190,39 @@ def test_an_interrupted_checkpoint_is_refused_naming_what_is_missing_and_skipped
     assert "optimizer_0/" in out["refused"] and "flatshard_complete.json" in out["refused"]
     assert out["newest"].endswith("checkpoint_1")
     assert out["loaded_equals_step_4"] and out["next_iteration"] == 2
+
+
+# ---------------------------------------------------------------------- the CUDA snapshot, simulated
+def _simulated_snapshot(drop: str = ""):
+    """A shard updated on the compute stream, snapshotted, then updated again (the next optimizer step);
+    ``drop``: the adapter's ordering call the mutation leaves out."""
+    from sim_cuda import SimulatedCuda, sim_adapter
+
+    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.checkpoint.dcp import FlatRange
+
+    sim = SimulatedCuda()
+    adapter = sim_adapter(sim)
+    if drop:
+        setattr(adapter, drop, lambda waiter, other: None)
+    with sim:
+        shard = torch.ones(16)
+        shard.mul_(2.0)
+        snapshot, ready = commit.snapshot_entries({"w": FlatRange(shard, 0, (4, 4))}, adapter)
+        shard.add_(1.0)
+        ready()
+        copied = snapshot["w"].local.clone()
+    return sim, copied
+
+
+def test_cuda_snapshot_copies_on_a_side_stream_that_the_next_update_waits_for():
+    sim, copied = _simulated_snapshot()
+    assert sim.violations == []
+    assert torch.equal(copied, torch.full((16,), 2.0))
+
+
+@pytest.mark.parametrize("drop, racing_op", [("wait_event", "aten::add_"), ("wait_stream", "aten::copy_")])
+def test_cuda_snapshot_without_either_wait_is_a_race_the_simulator_names(drop, racing_op):
+    # wait_event: the next update may run before the copy; wait_stream: the copy may run before the last update
+    sim, _ = _simulated_snapshot(drop)
+    assert any(racing_op in str(v) for v in sim.violations), sim.violations

@@ -140,36 +140,40 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
 _ADAPTERS: Dict[torch.device, CudaStreams] = {}
 
 
-def snapshot_entries(entries: Dict[str, Entry]) -> Tuple[Dict[str, Entry], Callable[[], None]]:
+def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[CudaStreams] = None
+                     ) -> Tuple[Dict[str, Entry], Callable[[], None]]:
     """Host copies of ``entries`` as they are now; the returned ``ready()`` blocks until the copies are done
-    (immediately on CPU).  Later changes to the originals never reach the copies (module docstring)."""
+    (immediately on CPU).  Later changes to the originals never reach the copies (module docstring).
+    ``adapter``: the device adapter of every entry (default: CUDA tensors get their device's; tests pass the
+    simulator's)."""
     out: Dict[str, Entry] = {}
     events: List[Tuple[CudaStreams, Any]] = []
-    by_device: Dict[torch.device, List[str]] = {}
+    by_adapter: Dict[Optional[CudaStreams], List[str]] = {}
     for key, entry in entries.items():
-        tensor = entry.local if isinstance(entry, FlatRange) else entry
-        by_device.setdefault(tensor.device, []).append(key)
-    for device, keys in by_device.items():
-        if device.type == "cuda":
-            adapter = _ADAPTERS.setdefault(device, CudaStreams(device))
-            side, compute = adapter.side_stream("checkpoint"), adapter.compute_stream()
-            adapter.wait_stream(side, compute)  # the copies see every update queued so far
+        device = (entry.local if isinstance(entry, FlatRange) else entry).device
+        if adapter is None and device.type == "cuda":
+            by_adapter.setdefault(_ADAPTERS.setdefault(device, CudaStreams(device)), []).append(key)
+        else:
+            by_adapter.setdefault(adapter, []).append(key)
+    for streams, keys in by_adapter.items():
+        if streams is not None:
+            side, compute = streams.side_stream("checkpoint"), streams.compute_stream()
+            streams.wait_stream(side, compute)  # the copies see every update queued so far
         for key in keys:
             entry = entries[key]
             tensor = (entry.local if isinstance(entry, FlatRange) else entry).detach()
-            if device.type == "cuda":
-                host = adapter.host_empty(tensor.numel(), tensor.dtype)
-                with adapter.on(side):
-                    adapter.to_host(tensor.reshape(-1), host)
-                adapter.record_stream(tensor, side)
-                host = host.view(tensor.shape)
+            if streams is not None:
+                host = streams.host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)  # pinned
+                with streams.on(side):
+                    streams.to_host(tensor, host)
+                streams.record_stream(tensor, side)
             else:
                 host = tensor.clone()
             out[key] = FlatRange(host, entry.start, entry.shape) if isinstance(entry, FlatRange) else host
-        if device.type == "cuda":
-            event = adapter.record(side)
-            adapter.wait_event(compute, event)  # later in-place updates run after the copies
-            events.append((adapter, event))
+        if streams is not None:
+            event = streams.record(side)
+            streams.wait_event(compute, event)  # later in-place updates run after the copies
+            events.append((streams, event))
 
     def ready() -> None:
         for stream_adapter, event in events:
