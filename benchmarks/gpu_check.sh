@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 445 s) of parts plus
-# about 30 s of start-up, archive and kill grace: under 8 minutes, inside a 600 s command limit (the summary prints the
+# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 440 s) of parts plus
+# about 35 s of start-up, archive and kill grace: under 8 minutes, inside a 600 s command limit (the summary prints the
 # expected wall time, computed from the timeouts below).  Each part runs in its own process under its own timeout
 # (a part gets at most what is left of the budget) and prints one verdict line; one failing, hanging or crashing
 # part does not hide the others.  The summary ends the output.
@@ -52,18 +52,19 @@ export PYTHONWARNINGS=ignore::FutureWarning,ignore::UserWarning
 # (CUBLAS_WORKSPACE_CONFIG and deterministic kernels: set by the parity parts themselves, not the timing part)
 "$PY" -c "import torch, transformers, accelerate; print('python', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tee "$WORK/environment.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
-GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+GPUS=$(sed -n 's/.* gpus \([0-9]*\) .*/\1/p' "$WORK/environment.log" | tail -1)
+GPUS=${GPUS:-0}
 DEV=()
 [ -n "${GPU_CHECK_DEVICE:-}" ] && DEV=(--device "$GPU_CHECK_DEVICE")
 # the CPU smoke runs the same parts on a loaded CI machine: its timeouts and budget are scaled up
 SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$([ -n "${GPU_CHECK_DEVICE:-}" ] && echo 5 || echo 1)}
-BUDGET=${GPU_CHECK_BUDGET_S:-445}
+BUDGET=${GPU_CHECK_BUDGET_S:-440}
 DEADLINE=$(( SECONDS + BUDGET * SCALE ))
 status=0
 : > "$WORK/verdicts.tsv"
 
 # ---- the parts (1 GPU): name, timeout (s, on the GPU), command; most informative first.  The 1-GPU timeouts add
-# up to the budget (445 s); with start-up, the archive and one killed part's grace the GPU run takes at most 475 s.
+# up to the budget (440 s); with start-up, the archive and one killed part's grace the GPU run takes at most 475 s.
 PARTS=(
   "nccl-1gpu       50 benchmarks/gpu_check.py --part nccl-1gpu"
   "w1              45 benchmarks/gpu_check.py --part w1"
@@ -73,7 +74,7 @@ PARTS=(
   "planner         45 benchmarks/gpu_check_plan.py"
   "offload-w1      45 benchmarks/gpu_check_offload.py --part w1"
   "fake-w8         55 benchmarks/gpu_check.py --part fake-w8"
-  "offload-fake-w8 35 benchmarks/gpu_check_offload.py --part fake-w8"
+  "offload-fake-w8 30 benchmarks/gpu_check_offload.py --part fake-w8"
 )
 # what a timeout means, where it is not simply a hang
 declare -A TIMEOUT_NOTE=(
@@ -81,7 +82,7 @@ declare -A TIMEOUT_NOTE=(
 )
 SUM_S=0
 for spec in "${PARTS[@]}"; do set -- $spec; SUM_S=$(( SUM_S + $2 )); done
-START_S=10 ARCHIVE_S=10 KILL_S=10  # start-up: two interpreter starts; a part past its timeout is killed 10 s later
+START_S=15 ARCHIVE_S=10 KILL_S=10  # start-up: one cold interpreter start; a part past its timeout is killed 10 s later
 EXPECTED_S=$(( (SUM_S < BUDGET ? SUM_S : BUDGET) + START_S + ARCHIVE_S + KILL_S ))
 EXPECTED="at most ${EXPECTED_S} s on the GPU (the 1-GPU parts' timeouts add up to ${SUM_S} s, capped by the budget ${BUDGET} s; + ${START_S} s start-up + ${ARCHIVE_S} s archive + ${KILL_S} s for a killed part)$([ "$SCALE" != 1 ] && echo "; this run: timeouts x${SCALE}")"
 echo "expected wall time: $EXPECTED"
@@ -119,12 +120,13 @@ else
   printf '%s\t%s\t\t\n' nccl "SKIP (1 GPU: NCCL parity at W>=2 needs 2+)" >> "$WORK/verdicts.tsv"
 fi
 echo "== summary ($SECONDS s; logs and traces in $WORK, archived in $OUT)"
+# the report writes the archive and summary.txt into $OUT and prints the summary (the output's tail)
 if ! "$REPORT_PY" benchmarks/gpu_check_report.py --work "$WORK" --out "$OUT" --expected "$EXPECTED"; then
   # (the report failed: the verdicts and the logs as they are)
   status=1
   tar czf "$OUT/gpu_check_logs.tar.gz" -C "$WORK" . 2>/dev/null
   { echo "gpu_check summary: report failed"; cat "$WORK/verdicts.tsv"; } > "$OUT/summary.txt"
+  cat "$OUT/summary.txt"
 fi
-cat "$OUT/summary.txt"
 echo "gpu_check.sh: $([ $status -eq 0 ] && echo PASS || echo FAIL) (wall $SECONDS s; $OUT: $(ls "$OUT" | tr '\n' ' '))"
 exit $status

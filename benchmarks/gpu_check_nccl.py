@@ -29,6 +29,7 @@ reported as skipped, never as passed.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -123,29 +124,46 @@ def _train_wrapped(gpu_check, family: str, device, data, kwargs, hybrid: bool, i
 def observed_streams(trace: str) -> Tuple[Dict[str, set], Optional[object]]:
     """From a chrome trace: {collective kind: device streams its work ran on}, and the compute stream (where
     the matrix multiplies ran).  Device work is attributed to the innermost ``gpu_check::<kind>`` or compute
-    op range on the same host thread that contains its launch (the runtime call with its correlation id)."""
+    op range on the same host thread that contains its launch (the runtime or driver call with its correlation
+    id).  A kind seen that way nowhere falls back to the NCCL kernels named after it (``ncclDevKernel_AllGather``)."""
     with open(trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    ranges = []  # (tid, start, end, label)
+    ranges: Dict[object, List[Tuple[float, float, str]]] = {}  # host thread -> (start, end, label), by start
     for e in events:
         name = e.get("name", "")
         if e.get("cat") in ("cpu_op", "user_annotation") and (name.startswith("gpu_check::") or name in COMPUTE_OPS):
             label = name[len("gpu_check::"):] if name.startswith("gpu_check::") else "compute"
-            ranges.append((e.get("tid"), e["ts"], e["ts"] + e["dur"], label))
+            ranges.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], label))
+    starts = {}
+    for tid, rs in ranges.items():
+        rs.sort()
+        starts[tid] = [r[0] for r in rs]
     launched = {}  # correlation id -> label
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            inside = [r for r in ranges if r[0] == e.get("tid") and r[1] <= e["ts"] <= r[2]]
+            rs = ranges.get(e.get("tid"), [])
+            i = bisect.bisect_right(starts.get(e.get("tid"), []), e["ts"])
+            inside = [r for r in rs[max(0, i - 16):i] if r[1] >= e["ts"]]  # (ranges nest only a few deep)
             if inside:
-                launched[e["args"]["correlation"]] = min(inside, key=lambda r: r[2] - r[1])[3]
+                launched[e["args"]["correlation"]] = min(inside, key=lambda r: r[1] - r[0])[2]
     streams: Dict[str, Dict[object, int]] = {}
+    by_name: Dict[str, set] = {}
     for e in events:
         args = e.get("args", {})
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and args.get("correlation") in launched:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        if args.get("correlation") in launched:
             per = streams.setdefault(launched[args["correlation"]], {})
             per[args.get("stream")] = per.get(args.get("stream"), 0) + 1
+        name = e.get("name", "").lower().replace("_", "")
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if "nccl" in name and kind.replace("_", "") in name:
+                by_name.setdefault(kind, set()).add(args.get("stream"))
     compute = streams.pop("compute", {})
-    return {k: set(v) for k, v in streams.items()}, (max(compute, key=compute.get) if compute else None)
+    seen = {k: set(v) for k, v in streams.items()}
+    for kind, found in by_name.items():
+        seen.setdefault(kind, found)
+    return seen, (max(compute, key=compute.get) if compute else None)
 
 
 def stream_check(trace: Optional[str], counts: Dict[str, int]) -> Tuple[Optional[bool], str]:

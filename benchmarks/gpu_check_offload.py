@@ -184,7 +184,10 @@ def memory(device, model, data, steps: int) -> bool:
         results[offload] = (peak, resident, buffers, device_bound(wrapped, activations))
         del wrapped, opt
     peak, resident, buffers, bound = results[True]
+    # between steps offload keeps nothing of the model on the device but its buffers (rotary tables); 1 MiB for
+    # the allocator's rounding and the inputs
     good_resident = (not cuda) or max(resident) <= buffers + 2**20
+    # the peak: device_bound's terms (each justified there), and below the same wrapper without offload
     good_peak = (not cuda) or (peak <= bound["total"] and peak < results[False][0])
     print(f"  resident on device after wrap / each step: {[_mib(r) for r in resident]} (buffers {_mib(buffers)}): "
           f"{_verdict(good_resident, cuda)}", flush=True)
@@ -224,6 +227,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     step_s = (time.perf_counter() - t0) / steps
     peak = (torch.cuda.max_memory_allocated(device) if cuda else 0) - start
     after = _allocated(device) - start
+    # device_bound's terms (each justified there); resident: the buffers only, 1 MiB for the allocator's rounding
     good = (not cuda) or (peak <= bound["total"] and max(resident, after) <= buffers + 2**20)
     print(f"  ours, offload: peak {_mib(peak)} <= bound {_mib(bound['total'])} "
           f"({', '.join(f'{k} {_mib(v)}' for k, v in bound.items() if k != 'total')}); resident after wrap "

@@ -5,8 +5,10 @@ characters of the output.  So the parts write their logs and traces to a work fo
 exactly two files into ``$OUT``:
 
 * ``summary.txt``: self-contained: the environment line, the expected wall time, the archive's contents, and
-  every part's verdict with its figures (the indented check lines of its log; the last lines of a failed one);
-  gpu_check.sh prints it last, so the output's tail is the summary too.
+  every part's verdict with its figures (the indented check lines of its log; the last lines of a failed one).
+  This script prints it, last in gpu_check.sh's output, so the output's tail is the summary too; when it would
+  not fit in the 12,000 characters, the passing parts' parity rows are folded into a count (then, if needed,
+  passing parts show their verdicts only), and the printed summary says so.
 * ``gpu_check_logs.tar.gz``: every log and trace of the work folder, at most ``--max-archive-mib`` (15 MiB, under
   the 16 MiB limit).  When it would be larger, traces (``*.json``) are left out, largest first, and then logs are
   cut to their last MiB; the summary and a ``LEFT_OUT.txt`` in the archive say what was dropped.
@@ -91,8 +93,23 @@ def build_archive(work: Path, target: Path, max_bytes: int) -> Tuple[int, List[s
             return size, names, left_out + ["STILL OVER THE LIMIT"]
 
 
+def _is_parity_row(line: str) -> bool:
+    return line.rstrip().endswith("PASS") and ("max|dloss|" in line or "losses [" in line)
+
+
+def fold_parity_rows(lines: List[str], part: str) -> List[str]:
+    """A passing part's parity rows (``... max|dloss|=... PASS``) as one line that counts them."""
+    rows = [ln for ln in lines if _is_parity_row(ln)]
+    if not rows:
+        return lines
+    kept = [ln for ln in lines if not _is_parity_row(ln)]
+    return [f"  {len(rows)} parity rows PASS (each in {part}.log of the archive and in summary.txt)"] + kept
+
+
 def summary_text(work: Path, rows: List[Dict[str, str]], expected: str, archive: Tuple[int, List[str], List[str]],
-                 brief: bool = False) -> str:
+                 level: int = 0) -> str:
+    """``level`` 0: everything; 1: passing parts' parity rows folded into a count; 2: passing parts' verdicts
+    only (the output's tail must hold the summary: gpu_check.sh prints the shortest level that fits)."""
     env = (work / "environment.log").read_text().strip() if (work / "environment.log").exists() else "?"
     overall = "PASS" if rows and all(r["verdict"].startswith(("PASS", "SKIP (1 GPU")) for r in rows) else "FAIL"
     size, names, left_out = archive
@@ -104,8 +121,9 @@ def summary_text(work: Path, rows: List[Dict[str, str]], expected: str, archive:
         out.append(f"== {r['name']}: {r['verdict']}{timing}")
         log = work / f"{r['name']}.log"
         failed = not r["verdict"].startswith(("PASS", "SKIP"))
-        if log.exists() and (failed or not brief):
-            out += figures(log.read_text(errors="replace"), failed)
+        if log.exists() and (failed or level < 2):
+            lines = figures(log.read_text(errors="replace"), failed)
+            out += fold_parity_rows(lines, r["name"]) if level == 1 and not failed else lines
     out.append(f"gpu_check: {overall}")
     return "\n".join(out) + "\n"
 
@@ -121,9 +139,12 @@ def main() -> int:
     rows = read_verdicts(args.work)
     archive = build_archive(args.work, args.out / ARCHIVE, int(args.max_archive_mib * 2**20))
     text = summary_text(args.work, rows, args.expected, archive)
-    if len(text) > MAX_STDOUT_SUMMARY:  # passing parts' figures stay in the archive's logs
-        text = summary_text(args.work, rows, args.expected, archive, brief=True)
-    (args.out / SUMMARY).write_text(text)
+    (args.out / SUMMARY).write_text(text)  # (the file comes back whole)
+    for level in (0, 1, 2):  # the output: the most complete level that fits in its tail
+        shown = summary_text(args.work, rows, args.expected, archive, level)
+        if len(shown) <= MAX_STDOUT_SUMMARY:
+            break
+    print(shown + ("" if level == 0 else f"(shortened to fit the output's tail; whole in {SUMMARY})\n"), end="")
     return 0
 
 

@@ -189,3 +189,37 @@ def test_overlap_is_measured_against_the_stream_with_the_most_kernel_time(tmp_pa
     path.write_text(__import__("json").dumps({"traceEvents": events}))
     frac, comm_us, busy = _bench("gpu_check_overlap")._trace_overlap(str(path))
     assert frac == 50 / 200 and comm_us == 200 and busy == {7: 100, 13: 200}
+
+
+def test_nccl_stream_check_falls_back_to_the_nccl_kernels_names(tmp_path):
+    """Where the profiler links no launch of a kind to its range (a driver call it does not record), the NCCL
+    kernels named after the kind still show their stream."""
+    nccl = _bench("gpu_check_nccl")
+    trace = _collective_trace(tmp_path, gather_stream=13, reduce_stream=14)
+    data = __import__("json").loads(Path(trace).read_text())
+    for e in data["traceEvents"]:
+        if e.get("cat") == "cuda_runtime" and e["args"]["correlation"] == 2:
+            e["args"]["correlation"] = 1002  # the all-gather's launch is not linked to its kernel
+    Path(trace).write_text(__import__("json").dumps(data))
+    assert nccl.observed_streams(trace) == ({"all_gather": {13}, "reduce_scatter": {14}}, 7)
+
+
+def test_a_summary_too_long_for_the_output_tail_folds_the_parity_rows_there(tmp_path, capsys, monkeypatch):
+    """summary.txt keeps every row; the printed summary (the output's last 12,000 characters come back) folds the
+    passing parts' parity rows into a count and keeps their other figures and every failure's detail."""
+    report = _report()
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    rows = "".join(f"  parity as is llama setting{i:03d} max|dloss|=0.0e+00 max|dparam|=0.0e+00 {'x' * 250} PASS\n"
+                   for i in range(50))
+    (work / "w1.log").write_text(rows + "gpu_check w1: PASS\n")
+    (work / "fake-w8.log").write_text("  ours : peak 9000 MiB <= bound 9500 MiB: PASS; 800 ms/step\nboom\n")
+    (work / "verdicts.tsv").write_text("w1\tPASS\t3\t45\nfake-w8\tFAIL (exit 1)\t9\t55\n")
+    monkeypatch.setattr(sys, "argv", ["gpu_check_report.py", "--work", str(work), "--out", str(out),
+                                      "--expected", "at most 475 s"])
+    assert report.main() == 0
+    printed = capsys.readouterr().out
+    whole = (out / "summary.txt").read_text()
+    assert whole.count("max|dloss|") == 50 and len(whole) > 12_000 and len(printed) <= 12_000
+    assert "50 parity rows PASS" in printed and "shortened to fit" in printed
+    assert "peak 9000 MiB <= bound 9500 MiB" in printed and "| boom" in printed
