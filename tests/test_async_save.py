@@ -180,16 +180,46 @@ def _interrupted_worker(rank: int, world: int, root: str) -> dict:
     accelerator.load_state()  # automatic naming: the newest complete one
     out["loaded_equals_step_4"] = _equal(_full(accelerator, model), states[4])
     out["next_iteration"] = accelerator.project_configuration.iteration
+
+    # a background write that fails on rank 1 (a full disk): save_state returns, the next waiting call raises
+    from accel_flatshard.checkpoint import dcp
+
+    write_data = dcp.RecordingWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if rank == 1:
+            raise OSError(28, "No space left on device", os.path.join(self.path, "__1_0.distcp"))
+        return write_data(self, plan, planner)
+
+    dcp.RecordingWriter.write_data = full_disk
+    accelerator.save_state(async_save=True)
+    try:
+        accelerator.save_state(async_save=True)
+    except CheckpointError as exc:
+        out["failed_write"] = str(exc)
+    finally:
+        dcp.RecordingWriter.write_data = write_data
     return out
 
 
-def test_an_interrupted_checkpoint_is_refused_naming_what_is_missing_and_skipped_by_newest(tmp_path):
-    out = spawn(2, _interrupted_worker, str(tmp_path), timeout_s=300)[0]
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    return spawn(2, _interrupted_worker, str(tmp_path_factory.mktemp("interrupted")), timeout_s=300)
+
+
+def test_an_interrupted_checkpoint_is_refused_naming_what_is_missing_and_skipped_by_newest(interrupted):
+    out = interrupted[0]
     assert out["kept"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
     assert "checkpoint_2 is an incomplete checkpoint" in out["refused"]
     assert "optimizer_0/" in out["refused"] and "flatshard_complete.json" in out["refused"]
     assert out["newest"].endswith("checkpoint_1")
     assert out["loaded_equals_step_4"] and out["next_iteration"] == 2
+
+
+def test_a_failed_background_write_raises_on_every_rank_at_the_next_save_naming_the_file(interrupted):
+    for out in interrupted:
+        assert "saving " in out["failed_write"] and "checkpoint_2 failed" in out["failed_write"]
+        assert "No space left on device" in out["failed_write"] and "__1_0.distcp" in out["failed_write"]
 
 
 # ---------------------------------------------------------------------- the CUDA snapshot, simulated

@@ -121,6 +121,7 @@ def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, 
     directory = os.fspath(input_dir).rstrip(os.sep)
     if os.path.basename(directory) == dir_name:  # accelerate accepts the checkpoint folder or this directory
         directory = os.path.dirname(directory)
+    commit.wait_for_saves()  # e.g. the Trainer's load_best_model_at_end right after an asynchronous checkpoint
     commit.check_complete(directory)  # a save_state / Trainer checkpoint whose save was interrupted
     sharded, full = os.path.join(directory, dir_name), os.path.join(directory, file_name)
     main = accelerator.process_index == 0
