@@ -44,6 +44,13 @@ def FakeTensorMode(**kwargs: Any) -> Any:  # noqa: N802 - torch's class
     return _FakeTensorMode(**kwargs)
 
 
+def outside_dispatch_modes() -> Any:
+    """A context in which no dispatch mode (fake tensors' included) is active: ops there run real kernels."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def fake_mode_with_scalars() -> Any:
     """Fake tensors whose ``.item()`` is symbolic (torch.optim's steps read their step counter)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

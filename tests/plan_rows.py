@@ -43,6 +43,21 @@ def llama_vocab() -> nn.Module:
     return models.llama(n_layer=1, hidden=128, vocab=4096)
 
 
+GQA_SEQ = 256
+
+
+def llama_gqa() -> nn.Module:
+    """Grouped-query attention (8 heads, 2 K/V heads) at 256 tokens, fed an all-ones attention mask as a
+    tokenizer's batch without padding: transformers then skips the 4-D mask and SDPA reads the K/V heads as they
+    are (a fake mask would make it build the mask and repeat K/V)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=GQA_SEQ, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
 def gpt2() -> nn.Module:  # tied input/output embedding (in the root unit)
     import models
 
@@ -56,13 +71,30 @@ def toy() -> nn.Module:
     return toy_module.Toy(freeze_embed=True)
 
 
+def mixtral(experts_implementation: Optional[str] = None) -> nn.Module:
+    """A mixture of experts (4 experts, 2 per token) whose experts run through ``aten._grouped_mm`` (transformers'
+    default), in fp32 here: the op's fake kernel accepts only bf16.  ``"eager"``: its data-dependent path."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if experts_implementation:
+        config._experts_implementation = experts_implementation
+    return MixtralForCausalLM(config)
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Optional[List[str]]]] = {
-    "llama": (llama, None), "llama-vocab": (llama_vocab, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"])}
+    "llama": (llama, None), "llama-vocab": (llama_vocab, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"]),
+    "mixtral": (mixtral, None), "mixtral-eager": (lambda: mixtral("eager"), None), "llama-gqa": (llama_gqa, None)}
 
 
 def make_batch(name: str) -> Callable[[int], Any]:
     if name == "toy":
         return lambda n: (torch.ones(n * 8, 12),)  # (8 rows per sample: a "sample" of the toy model)
+    if name == "llama-gqa":
+        return lambda n: {"input_ids": torch.zeros(n, GQA_SEQ, dtype=torch.long), "attention_mask": torch.ones(
+            n, GQA_SEQ, dtype=torch.long), "labels": torch.zeros(n, GQA_SEQ, dtype=torch.long)}
     return lambda n: {"input_ids": torch.zeros(n, SEQ, dtype=torch.long), "labels": torch.zeros(n, SEQ, dtype=torch.long)}
 
 

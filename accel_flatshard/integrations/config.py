@@ -413,7 +413,13 @@ def options_from_launch_args(argv: List[str]) -> tuple:
     os.environ.update(env)  # accelerate's plugin reads its FSDP_* fields from the environment
     try:
         plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
-        return options_from_plugin(plugin, args.mixed_precision, env), args
+        # the yaml's parallelism_config block / --parallelism_config_* flags, as the launched Accelerator builds it
+        parallelism = requested_parallelism_config({})
+        if parallelism is not None and parallelism.total_size != args.num_processes:
+            raise ValueError(f"parallelism_config dp_replicate_size {parallelism.dp_replicate_size} x dp_shard_size "
+                             f"{parallelism.dp_shard_size} is {parallelism.total_size} processes, but num_processes is "
+                             f"{args.num_processes}: make them agree")
+        return options_from_plugin(plugin, args.mixed_precision, env, parallelism), args
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -4,7 +4,7 @@ The model is built on the meta device and sharded on paper by ``prepare``'s own 
 ``fully_sharded._assign_owners``, ``FlatParamLayout``, the options of ``integrations/config.py``).  Activations
 are measured: one forward and backward of the model class on fake tensors at one rank's micro-batch, in the
 compute dtype, with the engine's flat views, while a dispatch mode records the live storage bytes after every
-op and hooks mark each unit's forward, backward and flat gradients (a trace).  :func:`_replay` holds the
+op and hooks mark each unit's forward, backward and flat gradients (a trace; ``trace.py``).  :func:`_replay` holds the
 engine's buffers over the trace by the rules of ``engine.py`` and ``unit.py``, on top of the shards, buffers
 and optimizer state (two fake steps).  :func:`recommend` ranks what fits by :func:`step_time`; the command
 line is ``__main__.py``.
@@ -12,25 +12,23 @@ line is ``__main__.py``.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import functools
 import inspect
 import itertools
 import warnings
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from .._compat import FakeTensorMode, TorchDispatchMode, fake_mode_with_scalars, inside_backward_pass, map_tensors
-from .._compat import tensors_in
+from .._compat import FakeTensorMode, fake_mode_with_scalars, map_tensors, tensors_in
 from ..engine import Engine
 from ..flat_param import FlatParameter, FlatParamLayout
 from ..fully_sharded import _assign_owners
 from ..integrations.config import FlatShardOptions
 from ..wrap import backward_reads_parameters, checkpoint_units, select_units
+from .trace import _as_call, _copy, _loss_of, _mark_unit, _Trace, _why_fake_failed
 
 MAX_PENDING_REDUCTIONS = inspect.signature(Engine).parameters["max_pending_reductions"].default  # (the wrapper's)
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
@@ -97,40 +95,6 @@ class _Flat:
     pieces: Tuple[int, ...]  # elements of each parameter in the shard (the optimizer state's sizes)
 
 
-class _Trace(TorchDispatchMode):
-    """Bytes of the storages alive after every op (``samples``; storages of ``known`` tensors excluded) and
-    marks between ops (``events``: ``(kind, unit, sample index, live bytes[, flat parameter index])``)."""
-
-    def __init__(self, known: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__()
-        self.known = {t.untyped_storage()._cdata for t in known}
-        self.live, self.samples, self.events = 0, [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tensors_in(out):
-            storage = t.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
-            if nbytes and key not in self.known:
-                self.known.add(key)
-                self.live += nbytes
-                weakref.finalize(storage, self._died, key, nbytes)
-        self.samples.append(self.live)
-        return out
-
-    def _died(self, key: int, nbytes: int) -> None:
-        self.known.discard(key)
-        self.live -= nbytes
-
-    def mark(self, kind: str, unit: int, *flat: int) -> None:
-        self.events.append((kind, unit, len(self.samples), self.live, *flat))
-
-    def pieces(self) -> List[List[int]]:
-        """The samples between each event and the next."""
-        bounds = [e[2] for e in self.events] + [len(self.samples)]
-        return [self.samples[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
 class Planner:
     """One rank's peak for a model (``build()``: a fresh meta-device model), options and per-device batch.
 
@@ -184,7 +148,17 @@ class Planner:
         return torch.empty(t.shape, dtype=dtype if dtype and t.is_floating_point() else t.dtype)
 
     def trace(self, checkpointing: bool, micro_batch: int) -> _Trace:
-        """The activation trace of one forward and backward at this micro-batch."""
+        """The activation trace of one forward and backward at this micro-batch.
+
+        The batch is made for real (``make_batch``) and enters the model as fake copies, except an integer
+        ``*attention_mask``: the real one, and the ops on it alone run for real.  So transformers takes the real
+        run's path: it reads the mask, skips the 4-D causal mask when it is all ones, and attention with grouped
+        K/V heads then does not repeat them (a fake mask looks like tracing to it, ``is_tracing``: it would build
+        both)."""
+        trace: Optional[_Trace] = None
+        real = _as_call(self.make_batch(micro_batch))  # (held through the step, as by the caller)
+        masks = [v for k, v in real[1].items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)
+                 and not v.is_floating_point()]
         try:
             meta = self.build()
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -198,8 +172,10 @@ class Planner:
                 trace = _Trace([*model.parameters(), *model.buffers(), *unsharded])
                 for i, (m, fs) in enumerate(zip(units, flats)):  # (the hooks go with the model)
                     _mark_unit(trace, i, m, fs)
+                trace.add_real(masks)
                 with trace:
-                    batch = _as_call(self.make_batch(micro_batch))  # (held through the step, as by the caller)
+                    trace.hold(masks)
+                    batch = map_tensors(lambda t: t if trace.is_real(t) else torch.empty_like(t), real)
                     args, kwargs = map_tensors(lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, batch) \
                         if self.param_dtype and self.options.mixed_precision.cast_forward_inputs else batch  # as the root
                     with torch.autocast("cpu", self.param_dtype or torch.bfloat16, enabled=self.autocast):
@@ -212,9 +188,9 @@ class Planner:
                     del out
                     loss.backward()
                     trace.mark("end", 0)
-        except Exception as exc:  # noqa: BLE001 - named for the user: the model, and why fake tensors failed
-            raise ValueError(f"{self.class_name}'s forward and backward did not run on fake tensors (shapes, no data: "
-                             f"Python branching on tensor values, e.g. .item(), cannot run there): {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - named for the user: the model, the op, and why fake tensors failed
+            raise ValueError(f"{self.class_name}'s forward and backward did not run on fake tensors: "
+                             f"{_why_fake_failed(trace and trace.failed, exc)}") from exc
         return trace
 
     def optimizer_bytes(self, shard_size: int) -> Tuple[int, int]:
@@ -235,82 +211,6 @@ class Planner:
 
     def predict(self, cfg: Config) -> Prediction:
         return _replay(self, cfg)
-
-
-def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """``model`` with every parameter and buffer replaced by ``convert(tensor)`` (ties kept; the rest deep-copied)."""
-    memo: Dict[int, Any] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        new = convert(t)
-        memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-    return copy.deepcopy(model, memo)
-
-
-def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> None:
-    """The engine's view handling for one unit (``unit.py``: views of the flat buffer installed for its forward
-    and again, with grad, from its backward's start; one flat gradient per flat parameter, so autograd runs
-    the same nodes in the same order), with marks: forward (or recomputation), the start of backward (the
-    first gradient at an output), each flat gradient (dropped there: the replay holds it) and the end of
-    the unit's backward (its last gradient; a frozen unit: its inputs' gradients, the reshard-only hook)."""
-    trainable, arrived = [f for f in flats if f.requires_grad], []
-
-    def views(installed: bool) -> None:
-        for f in flats:
-            f.install_views(f.unsharded_views()) if installed else f.uninstall_views()
-
-    def done(*_: Any) -> None:
-        views(False)
-        trace.mark("done", index)
-
-    def pre(mod: nn.Module, args: Any) -> None:
-        recompute = inside_backward_pass()
-        trace.mark("recompute" if recompute else "fwd", index)
-        if not recompute:
-            views(True)
-
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
-        if inside_backward_pass():
-            return
-        views(False)
-        trace.mark("fwd_end", index)
-        outs, ins = [t for t in tensors_in(out) if t.requires_grad], [t for t in tensors_in(args) if t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, backward, mode="any")
-        if flats and not trainable and ins:
-            torch.autograd.graph.register_multi_grad_hook(ins, done)
-
-    def backward(grad: Any) -> None:
-        trace.mark("bwd", index)
-        with torch.enable_grad():
-            views(True)
-
-    def grad_arrived(flat: FlatParameter) -> None:
-        flat.unsharded.grad = None
-        trace.mark("grad", index, flats.index(flat))
-        arrived.append(flat)
-        if len(arrived) == len(trainable):
-            arrived.clear()
-            done()
-
-    module.register_forward_pre_hook(pre, prepend=True)
-    module.register_forward_hook(post)
-    for f in trainable:
-        f.unsharded.register_post_accumulate_grad_hook(lambda t, f=f: grad_arrived(f))
-
-
-def _as_call(batch: Any) -> Tuple[tuple, dict]:
-    if isinstance(batch, dict):
-        return (), batch
-    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], dict):
-        return tuple(batch[0]), batch[1]
-    return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), {}
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None:
-        loss = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
-    return loss if loss.dim() == 0 else loss.float().sum()
 
 
 # ---------------------------------------------------------------------- the replay
@@ -527,8 +427,13 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
         try:
             tensors = tensors_in((args, kwargs))
             rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
-            batch = lambda n: map_tensors(lambda t: torch.zeros(  # noqa: E731 - the inputs, with n rows
-                (n, *t.shape[1:]) if t.dim() and t.shape[0] == rows else t.shape, dtype=t.dtype), (args, kwargs))
+
+            def batch(n: int) -> Tuple[tuple, dict]:  # the inputs with n rows: zeros, the attention masks' values
+                like = lambda t: torch.zeros((n, *t.shape[1:]) if t.dim() and t.shape[0] == rows else t.shape,  # noqa
+                                             dtype=t.dtype)
+                masks = {k: v[:n].cpu() for k, v in kwargs.items() if k.endswith("attention_mask") and isinstance(
+                    v, torch.Tensor) and not v.is_floating_point() and v.dim() and v.shape[0] == rows}
+                return map_tensors(like, tuple(args)), {**map_tensors(like, kwargs), **masks}
             planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast,
                               tokens=tensors[0].numel() // rows if tensors else 1)
             predicted, available = planner.predict(Config.of(options, world_size, rows)), available_bytes(device)

@@ -1,8 +1,10 @@
 """``accel-flatshard plan`` / ``python -m accel_flatshard.plan``: the memory planner's command line.
 
 The model comes from ``--model`` (a Hugging Face config, or ``module:function`` for your own ``nn.Module``),
-the options from accelerate's own launch flags and yaml (``integrations.config.options_from_launch_args``);
-it prints the per-rank breakdown of :class:`~accel_flatshard.plan.Planner`'s prediction and, with
+the options from accelerate's own launch flags and yaml (``integrations.config.options_from_launch_args``; each
+flag and key is planned, inert or refused by name: ``launch.py``), the accumulation from
+``--gradient_accumulation_steps`` and ``--accumulation``; it prints the per-rank breakdown of
+:class:`~accel_flatshard.plan.Planner`'s prediction and, with
 ``--device_memory``, the configurations that fit (``--json``: the same as JSON, the peak under ``peak_bytes``).
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import runpy
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +25,7 @@ import torch.nn as nn
 from ..checkpoint.offline import parse_size
 from ..integrations.config import options_from_launch_args
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
+from .launch import check_launch_args
 
 
 def _function(spec: str) -> Callable:
@@ -67,10 +70,11 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
     """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
     pred, W = planner.predict(cfg), planner.world_size
     saved = lambda ac, mb: max(e[3] for e in planner.trace(ac, mb).events if e[0] == "fwd_end")  # noqa: E731
+    steps = planner.batch_size // cfg.micro_batch
     out: Dict[str, Any] = {
         "model": f"{planner.class_name}, {planner.numel / 1e6:,.2f} M parameters in {len(planner.names)} units "
                  f"({', '.join(planner.names[:3])}{', ..., ' + planner.names[-1] if len(planner.names) > 3 else ''})",
-        "config": f"{cfg.describe(W)}; {W} ranks, compute in {str(planner.param_dtype or 'torch.float32')[6:]}, "
+        "config": f"{cfg.describe(W)}{f' x {steps} accumulation steps' if steps > 1 else ''}; {W} ranks, compute in {str(planner.param_dtype or 'torch.float32')[6:]}, "
                   f"{planner.device}", "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
         "activations_saved_for_backward": {"without_checkpointing": saved(False, cfg.micro_batch),
                                            "with_checkpointing": saved(True, cfg.micro_batch)}}
@@ -116,10 +120,19 @@ def print_report(out: Dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="accel-flatshard plan", description="Each rank's peak memory in a training step, "
                                 "before the launch.", epilog="Every other flag is accelerate launch's: --config_file, "
-                                "--num_processes, --num_machines, --use_fsdp, ...")
+                                "--num_processes, --num_machines, --mixed_precision, --use_fsdp, --fsdp_*, "
+                                "--parallelism_config_dp_*, --gradient_accumulation_steps (the script's: an FSDP "
+                                "launch does not pass it on); flags that would change memory in ways the plan does "
+                                "not model are refused by name.")
     p.add_argument("--model", required=True, help="a Hugging Face config directory or cached hub name, or "
                    "module:function / file.py:function returning your nn.Module")
-    p.add_argument("--batch_size", type=int, default=1, help="per device (default 1)")
+    p.add_argument("--batch_size", type=int, default=1, help="per device and micro-step: the dataloader's batch "
+                   "(default 1)")
+    p.add_argument("--accumulation", choices=("no_sync", "sync_each_batch"), default=None, help="with "
+                   "--gradient_accumulation_steps > 1: what the script's accumulation does between optimizer steps; "
+                   "default no_sync (accelerator.accumulate keeps the full gradients unreduced until the last "
+                   "micro-step), sync_each_batch: GradientAccumulationPlugin(sync_each_batch=True) (reduces every "
+                   "micro-step, keeps the gradient shards)")
     p.add_argument("--seq_len", type=int, default=None, help="tokens per sample")
     p.add_argument("--make_batch", default=None, help="module:function(batch_size, seq_len) returning the forward's "
                    "keyword (dict) or positional (tuple) arguments; default: input_ids and labels")
@@ -130,29 +143,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def planned(args: argparse.Namespace, launch: List[str]) -> Tuple[Planner, Config]:
+    """The planner and configuration for ``accel-flatshard plan``'s own flags (``args``) and accelerate's
+    launch flags (``launch``); nothing is traced yet."""
+    options, launched = options_from_launch_args(launch)
+    check_launch_args(launched)
+    steps = 1 if launched.gradient_accumulation_steps is None else int(launched.gradient_accumulation_steps)
+    if steps < 1:
+        raise ValueError(f"--gradient_accumulation_steps {steps}: must be >= 1")
+    if args.accumulation and steps == 1:
+        raise ValueError(f"--accumulation {args.accumulation} needs --gradient_accumulation_steps > 1")
+    build, W, seq = model_factory(args.model), launched.num_processes, args.seq_len
+    model = build()
+    if args.make_batch:
+        make_batch = _function(args.make_batch)
+        batch = lambda n: make_batch(n, seq)  # noqa: E731
+    elif not hasattr(getattr(model, "config", None), "vocab_size") or seq is None:
+        raise ValueError("give --seq_len (a Hugging Face model), or --make_batch for other inputs")
+    else:
+        keys = ("input_ids", "labels")[:1 + ("labels" in inspect.signature(model.forward).parameters)]
+        batch = lambda n: {k: torch.zeros(n, seq, dtype=torch.long) for k in keys}  # noqa: E731
+    optimizer = getattr(torch.optim, args.optimizer, None)
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"--optimizer {args.optimizer}: not a torch.optim optimizer class")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    planner = Planner(build, options, W, args.batch_size * steps, batch, device,
+                      launched.mixed_precision in ("bf16", "fp16"), optimizer, launched.num_machines, seq or 1)
+    accumulation = (args.accumulation or "no_sync") if steps > 1 else "none"  # (accelerate's default: no_sync)
+    return planner, dataclasses.replace(Config.of(options, W, args.batch_size), accumulation=accumulation)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``accel-flatshard plan`` / ``python -m accel_flatshard.plan``; returns the exit status."""
     args, launch = build_parser().parse_known_args(argv)
     try:
-        options, launched = options_from_launch_args(launch)
-        build, W, seq = model_factory(args.model), launched.num_processes, args.seq_len
-        model = build()
-        if args.make_batch:
-            make_batch = _function(args.make_batch)
-            batch = lambda n: make_batch(n, seq)  # noqa: E731
-        elif not hasattr(getattr(model, "config", None), "vocab_size") or seq is None:
-            raise ValueError("give --seq_len (a Hugging Face model), or --make_batch for other inputs")
-        else:
-            keys = ("input_ids", "labels")[:1 + ("labels" in inspect.signature(model.forward).parameters)]
-            batch = lambda n: {k: torch.zeros(n, seq, dtype=torch.long) for k in keys}  # noqa: E731
-        optimizer = getattr(torch.optim, args.optimizer, None)
-        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-            raise ValueError(f"--optimizer {args.optimizer}: not a torch.optim optimizer class")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        planner = Planner(build, options, W, args.batch_size, batch, device, launched.mixed_precision in ("bf16", "fp16"),
-                          optimizer, launched.num_machines, seq or 1)
+        planner, cfg = planned(args, launch)
         memory = parse_size(args.device_memory, "--device_memory") if args.device_memory else None
-        out = report(planner, Config.of(options, W, args.batch_size), memory)
+        out = report(planner, cfg, memory)
     except (ValueError, OSError, ImportError) as exc:
         print(f"accel-flatshard plan: error: {exc}", file=sys.stderr)
         return 1
