@@ -1,6 +1,6 @@
 """Make the libraries around accelerate (transformers' Trainer, PEFT, TRL) see through accel_flatshard's wrapper.
 
-Three functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (README
+Four functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (README
 "Library internals accel_flatshard replaces" says where and why):
 
 * ``accelerate.utils.extract_model_from_parallel`` (how PEFT and TRL unwrap, e.g. ``Trainer`` finding a PeftModel)
