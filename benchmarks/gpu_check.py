@@ -307,7 +307,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
 
 def nccl_parity(steps: int, tol: float, cuda: bool = True) -> bool:
     """Under torchrun with W >= 2 GPUs: every rank trains its slice; losses and parameters must match a
-    single-process run on the global batch (computed on every rank)."""
+    single-process run on the global batch (computed on every rank); as is and in slow-GPU mode."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
@@ -317,27 +317,32 @@ def nccl_parity(steps: int, tol: float, cuda: bool = True) -> bool:
         ref = small_model(family).to(device)
         ref_losses = train(ref, [x.to(device) for x in data])
         ref_params = {n: p.detach() for n, p in ref.named_parameters()}
-        # model on this rank's GPU *without* torch.cuda.set_device (the engine must use its device's streams)
-        wrapped = wrap(small_model(family).to(device), forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
-        losses = []
-        for x in data:
-            local = x.chunk(world)[rank]  # CPU input: moved to the device at the root
-            loss = wrapped(input_ids=local, labels=local).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-        with wrapped.summon_full_params():
-            pdiff = max((p.detach() - ref_params[n]).abs().max().item() for n, p in wrapped.named_parameters())
-        ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        good = ldiff <= tol and pdiff <= tol
-        ok &= good
-        if rank == 0:
-            print(f"  nccl W={world} {family:5s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
-                  f"{'PASS' if good else 'FAIL'}", flush=True)
+        for mode, slow in MODES:
+            with slow_gpu(device, slow):
+                # model on this rank's GPU *without* torch.cuda.set_device (the engine must use its device's streams)
+                wrapped = wrap(small_model(family).to(device), forward_prefetch=True,
+                               backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+                opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
+                losses = []
+                for x in data:
+                    local = x.chunk(world)[rank]  # CPU input: moved to the device at the root
+                    loss = wrapped(input_ids=local, labels=local).loss
+                    lag()  # slow-GPU mode: the compute stream falls behind before backward and the optimizer
+                    loss.backward()
+                    lag()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    mean = loss.detach().clone()
+                    dist.all_reduce(mean)
+                    losses.append(mean.item() / world)
+            with wrapped.summon_full_params():
+                pdiff = max((p.detach() - ref_params[n]).abs().max().item() for n, p in wrapped.named_parameters())
+            ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            good = ldiff <= tol and pdiff <= tol
+            ok &= good
+            if rank == 0:
+                print(f"  nccl W={world} {mode:8s} {family:5s} max|dloss|={ldiff:.2e} max|dparam|={pdiff:.2e} "
+                      f"{'PASS' if good else 'FAIL'}", flush=True)
     return ok
 
 

@@ -26,7 +26,7 @@
 #   planner    the memory planner (accel-flatshard plan) vs max_memory_allocated, emulated W=8, 6 configurations
 #   overlap    (own process: none of the parity parts' exact-math settings) emulated communication on the side
 #              streams, profiled: the fraction of it that overlaps compute, against the ceiling the schedule allows
-# The parity parts (nccl-1gpu, w1, compile, offload-w1) run twice: as is and in slow-GPU mode (sleeps queued on
+# The parity parts (nccl-1gpu, w1, compile, offload-w1; nccl with 2+ GPUs) run twice: as is and in slow-GPU mode (sleeps queued on
 # the compute stream before backward and the optimizer step, and on the side streams before each collective), so
 # a missing wait shows as wrong values instead of hiding behind a GPU that never falls behind the host.
 # What comes back: the parts write logs and traces to a work folder ($GPU_CHECK_WORK, default a new folder under

@@ -182,7 +182,8 @@ def stream_check(trace: Optional[str], counts: Dict[str, int]) -> Tuple[Optional
     if counts.get("all_reduce") and not seen.get("all_reduce"):
         text += ", all_reduce launched nothing (in place at 1 rank)"
     return good, (f"streams (profiler): compute {compute}; {text or 'no collective work seen'}"
-                  + (f"; not seen: {missing}" if missing else "") + (f"; ON THE COMPUTE STREAM: {on_compute}" if on_compute else ""))
+                  + (f"; not seen: {missing}" if missing else "")
+                  + (f"; ON THE COMPUTE STREAM: {on_compute}" if on_compute else ""))
 
 
 def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
@@ -212,7 +213,8 @@ def nccl_one_gpu(gpu_check, device: torch.device, steps: int, tol: float, out_di
                     copy_losses, copy_params, copy_calls = _train_wrapped(gpu_check, family, device, data, kwargs,
                                                                           hybrid, False)
                 counts = {k: sum(1 for c in calls if c[0] == k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
-                issued = counts["all_gather"] > 0 and counts["reduce_scatter"] > 0 and (counts["all_reduce"] > 0) == hybrid
+                issued = (counts["all_gather"] > 0 and counts["reduce_scatter"] > 0
+                          and (counts["all_reduce"] > 0) == hybrid)
                 on_streams, stream_text = stream_check(trace, counts) if not slow else (None, "streams: as is")
                 streams_checked += on_streams is not None
                 ref_tol = 0.05 if name == "bf16" else tol
@@ -227,6 +229,7 @@ def nccl_one_gpu(gpu_check, device: torch.device, steps: int, tol: float, out_di
                       f"({'sync' if not any(c[1] for c in calls) else 'async'}); {stream_text}; vs plain "
                       f"max|dloss|={ldiff:.1e} max|dparam|={pdiff:.1e}; vs W=1 copy path {copy_diff:.1e}: "
                       f"{'PASS' if good else 'FAIL'}", flush=True)
-    print(f"  stream check: {'observed in ' + str(streams_checked) + ' runs' if streams_checked else 'SKIPPED (CPU: no device streams to observe; not passed)'}",
-          flush=True)
+    observed = f"observed in {streams_checked} runs" if streams_checked else \
+        "SKIPPED (CPU: no device streams to observe; not passed)"
+    print(f"  stream check: {observed}", flush=True)
     return ok

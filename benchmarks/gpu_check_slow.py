@@ -37,7 +37,8 @@ _state = {"on": False, "device": None}
 
 def _sleep(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda._sleep(SLEEP_CYCLES)  # on the current stream of the current device
+        with torch.cuda.device(device):  # (ranks without set_device: the model's device, not cuda:0)
+            torch.cuda._sleep(SLEEP_CYCLES)  # on that device's current stream
     else:
         time.sleep(CPU_STAND_IN_S)
 
