@@ -641,8 +641,13 @@ class _Crossings(TorchFunctionMode):
                 return on_device
             return torch.device("cuda", self.sim.device_index) if on_device else func(*args, **kwargs)
         if func is torch.Tensor.to:
-            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items()
-                                                                                   if k != "copy"})
+            if len(args) > 1 and isinstance(args[1], torch.Tensor):  # to(other): other's memory and dtype
+                other = args[1]
+                device, dtype = ("cuda" if self.sim.on_device(other) else "cpu"), other.dtype
+                non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            else:
+                device, dtype, non_blocking, _ = torch._C._nn._parse_to(
+                    *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
             return self.sim.convert(args[0], device, dtype, non_blocking, kwargs.get("copy", False))
         if func is torch.Tensor.cpu:
             return self.sim.convert(args[0], "cpu", None, False, False)

@@ -243,3 +243,13 @@ def test_the_host_cannot_read_device_memory_directly():
     with sim:
         torch.ones(4).mul_(2).numpy()
     assert any("numpy() of a device tensor" in v for v in sim.violations), sim.violations
+
+
+def test_to_another_tensor_goes_to_that_tensors_memory():
+    sim, compute, side = _sim()
+    with sim:
+        on_device = torch.ones(4).mul_(2)
+        host = torch.zeros(4)
+        sim.place(host, "host")
+        assert host.to(on_device).is_cuda and not on_device.to(host).is_cuda
+    assert sim.violations == []
