@@ -74,6 +74,7 @@ def test_fsdp_argument_sets_up_the_state_before_the_trainer(full_shard_run):
 
 def test_fsdp_argument_trains_sharded_like_ddp(full_shard_run, ddp_run):
     _assert_sharded(full_shard_run)
+    assert full_shard_run["reshard_after_forward"] is True  # full_shard
     assert full_shard_run["global_step"] == STEPS
     assert _max_loss_diff(full_shard_run, ddp_run) <= LOSS_TOL
 
@@ -97,4 +98,5 @@ def test_fsdp_argument_strategies_and_versions_train_sharded_like_ddp(work, ddp_
     run = _train(work / f"{fsdp.split()[0]}_v{version}", fsdp, version)
     _assert_state_right_from_the_start(run)
     _assert_sharded(run)
+    assert run["reshard_after_forward"] is (fsdp.split()[0] == "full_shard")  # the strategy asked for
     assert _max_loss_diff(run, ddp_run) <= LOSS_TOL

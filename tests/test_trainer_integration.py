@@ -79,6 +79,33 @@ def test_fsdp2_offload_is_accepted_and_kept_when_the_plugin_becomes_fsdp1(clean_
     assert not cfg.options_from_plugin(off).offload_params
 
 
+@pytest.mark.parametrize("fsdp, strategy", [("full_shard auto_wrap", ShardingStrategy.FULL_SHARD),
+                                             ("shard_grad_op auto_wrap", ShardingStrategy.SHARD_GRAD_OP)])
+def test_trainer_fsdp_argument_version_1_gets_the_strategy_asked_for(clean_env, fsdp, strategy):
+    """TrainingArguments(fsdp="shard_grad_op", fsdp_config version 1) passes reshard_after_forward=SHARD_GRAD_OP;
+    accelerate's FSDP1 plugin also fills its deprecated sharding_strategy with the default FULL_SHARD."""
+    from accelerate.state import AcceleratorState, PartialState
+    from transformers import TrainingArguments
+
+    partial, full = PartialState._shared_state, AcceleratorState._shared_state
+    saved = (dict(partial), dict(full))
+    try:  # (TrainingArguments sets up accelerate's state in this process)
+        plugin_args = TrainingArguments("unused", fsdp=fsdp, fsdp_config={"version": 1}, report_to=[]).fsdp_plugin_args
+    finally:
+        partial.clear(), full.clear()
+        partial.update(saved[0]), full.update(saved[1])
+    # the plugin's post-init on a host without a device, as the runner installs it
+    building = type("Plugin", (FullyShardedDataParallelPlugin,),
+                    {"__post_init__": cfg.post_init_without_device(FullyShardedDataParallelPlugin.__post_init__)})
+    plugin = building(**plugin_args)
+    assert plugin.sharding_strategy == ShardingStrategy.FULL_SHARD  # accelerate's default, whatever was asked
+    options = cfg.options_from_plugin(plugin)
+    assert options.reshard_after_forward is (strategy == ShardingStrategy.FULL_SHARD)
+    # a launcher's FSDP_SHARDING_STRATEGY (from a yaml) is explicit: it stays what counts
+    clean_env.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    assert cfg.options_from_plugin(plugin).reshard_after_forward is True
+
+
 def test_fsdp2_options_that_cannot_be_honoured_name_the_key(clean_env):
     with pytest.raises(ValueError, match="fsdp_version 3"):
         cfg.fsdp_version(SimpleNamespace(fsdp_version=3))

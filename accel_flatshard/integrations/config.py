@@ -134,7 +134,7 @@ def options_from_plugin(
     version = fsdp_version(plugin, environ)
     opts = FlatShardOptions()
 
-    strategy = _sharding_strategy(plugin)
+    strategy = _sharding_strategy(plugin, environ)
     group_size = options.get("FLATSHARD_GROUP_SIZE", environ)
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     opts.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -273,13 +273,22 @@ def validating_flatshard_layout(original: Callable[[Any, Any], None]) -> Callabl
     return _validate_accelerator
 
 
-def _sharding_strategy(plugin: Any) -> Any:
+def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     """torch's ``ShardingStrategy`` the plugin asks for.  FSDP1: ``sharding_strategy``, else
     ``reshard_after_forward`` holding a strategy name (what ``accelerate config`` writes); FSDP2:
-    ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2)."""
+    ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2).
+
+    An FSDP1 plugin built with an explicit ``reshard_after_forward`` strategy (transformers' ``fsdp="shard_grad_op"``
+    with ``fsdp_config`` version 1) still gets ``sharding_strategy`` FULL_SHARD, accelerate's default when neither
+    that argument nor ``FSDP_SHARDING_STRATEGY`` was given (torch FSDP under accelerate then runs FULL_SHARD): the
+    strategy that was asked for counts."""
     from torch.distributed.fsdp import ShardingStrategy
 
     strategy = getattr(plugin, "sharding_strategy", None)
+    asked = getattr(plugin, "reshard_after_forward", None)
+    if (isinstance(asked, ShardingStrategy) and strategy == ShardingStrategy.FULL_SHARD
+            and not environ.get("FSDP_SHARDING_STRATEGY")):
+        return asked
     if strategy is None:
         strategy = getattr(plugin, "reshard_after_forward", None)
     if isinstance(strategy, bool):

@@ -147,6 +147,8 @@ def main():
         "world_size_before_trainer": world_size_before_trainer,
         "main_was_first": trainer.accelerator.gather_for_metrics([main_was_first], use_gather_object=True),
         "state_dict_type": str(trainer.accelerator.state.fsdp_plugin.state_dict_type) if trainer.is_fsdp_enabled else None,
+        "reshard_after_forward": getattr(getattr(trainer.accelerator, "flatshard_options", None), "reshard_after_forward",
+                                         None),
         "parallel_mode": str(training_args.parallel_mode),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "parallelism": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size],
