@@ -5,8 +5,7 @@ start) runs under ``tests/scripts/fault_on_rank.py``, which kills rank 1 on the 
 points.  Spec, at each point: the job exits 0, its final weights equal an uninterrupted run's exactly, and the steps
 run twice are exactly those after the checkpoint it resumed from, which is the newest one that was complete.
 
-The Trainer (``tests/scripts/trainer_resume.py``, ``resume_from_checkpoint=True``) is killed during a background
-write.  The launch uses the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README "Checkpoints"): with
+The same for the Trainer (``tests/scripts/trainer_resume.py``, ``resume_from_checkpoint=True``).  The launch uses the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README "Checkpoints"): with
 the agent's shared store, a restarted rank can read a dead peer's address left in it by the first attempt.
 """
 from __future__ import annotations
@@ -97,3 +96,13 @@ def test_trainer_rank_killed_during_a_background_write_resumes_with_resume_from_
         trainer_uninterrupted, tmp_path):
     _check(trainer_uninterrupted, tmp_path, "during_write:2", (2,), FLATSHARD_ASYNC_SAVE="1", **TRAINER)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8", "final"]  # save_total_limit=2
+
+
+@pytest.mark.ci
+def test_trainer_rank_killed_mid_step_resumes_from_the_newest_complete_checkpoint(trainer_uninterrupted, tmp_path):
+    _check(trainer_uninterrupted, tmp_path, "mid_step:5", (2, 4), FLATSHARD_ASYNC_SAVE="1", **TRAINER)
+
+
+@pytest.mark.ci
+def test_trainer_rank_killed_right_after_a_commit_resumes_from_that_checkpoint(trainer_uninterrupted, tmp_path):
+    _check(trainer_uninterrupted, tmp_path, "after_commit:2", (4,), FLATSHARD_ASYNC_SAVE="1", **TRAINER)

@@ -3,7 +3,7 @@ SIGKILLs itself at ``FAULT`` = ``<point>:<n>`` (tests/test_resume.py):
 
 * ``mid_step:<n>``: in the n-th optimizer step, after its backward (torch's optimizer step pre-hook);
 * ``during_write:<n>``: in the background writer of the n-th asynchronous save, after its first part is written;
-* ``after_commit:<n>``: once the n-th save's commit marker exists.
+* ``after_commit:<n>``: once the n-th asynchronous save's commit marker exists (a thread watches for it).
 
 Later attempts (``TORCHELASTIC_RESTART_COUNT`` > 0) run the example unchanged.
 """
@@ -11,6 +11,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "resume_on_fault.py")
@@ -21,11 +22,16 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_once_exists(path: str) -> None:
+    while not os.path.exists(path):
+        time.sleep(0.005)
+    die()
+
+
 def install(point: str, n: int) -> None:
     import accelerate  # noqa: F401 - first, as the example imports it (accel_flatshard registers on its import)
 
     from accel_flatshard.checkpoint import commit
-    from accel_flatshard.integrations import fsdp_utils_shim
 
     counts = {"steps": 0, "saves": 0}
     if point == "mid_step":
@@ -48,19 +54,17 @@ def install(point: str, n: int) -> None:
             return start_save(directory, parts, group, ready, commit_marker, background)
 
         commit.start_save = start_then_die
-    elif point == "after_commit":
-        save_state = fsdp_utils_shim.save_state
+    elif point == "after_commit":  # (asynchronous saves: a watcher thread sees rank 0's marker appear)
+        start_save = commit.start_save
 
-        def save_then_die(*args, **kwargs):
-            location = save_state(*args, **kwargs)
+        def start_then_watch(directory, parts, group, ready, commit_marker, background):
             counts["saves"] += 1
             if counts["saves"] == n:
-                while not os.path.exists(os.path.join(location, commit.COMPLETE_FILE)):
-                    time.sleep(0.01)
-                die()
-            return location
+                threading.Thread(target=die_once_exists, args=(os.path.join(directory, commit.COMPLETE_FILE),),
+                                 daemon=True).start()
+            return start_save(directory, parts, group, ready, commit_marker, background)
 
-        fsdp_utils_shim.save_state = save_then_die
+        commit.start_save = start_then_watch
     else:
         raise ValueError(f"FAULT={point}:{n}: unknown point")
 
