@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
 
-from launch_helpers import CPU_FSDP_YAML, REPO, launch
+from launch_helpers import CPU_FSDP_YAML, REPO, fsdp_config, launch
 
 pytest.importorskip("accelerate")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -28,12 +28,13 @@ STEPS = 8
 RESTARTS = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
 
 
-def _run(out: Path, fault: Optional[str] = None, **env: str) -> Tuple[dict, List[int], Optional[int], List[int]]:
+def _run(out: Path, fault: Optional[str] = None, config: Path = CPU_FSDP_YAML,
+         **env: str) -> Tuple[dict, List[int], Optional[int], List[int]]:
     """Launch; returns the final weights, the steps of the first attempt, the step resumed from (None: no
     restart) and the steps after the restart."""
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **({"FAULT": fault} if fault else {}))
     # the launcher's own flags go before the script: launch() puts ``script`` right after its own
-    proc = launch(CPU_FSDP_YAML, RESTARTS[0], [*RESTARTS[1:], str(SCRIPT), "--output_dir", str(out),
+    proc = launch(config, RESTARTS[0], [*RESTARTS[1:], str(SCRIPT), "--output_dir", str(out),
                                                  "--steps", str(STEPS)], env=env, timeout=600)
     first, resumed_at, after = [], None, []
     for line in proc.stdout.splitlines():
@@ -51,7 +52,7 @@ def uninterrupted(tmp_path_factory):
     return weights
 
 
-def _check(uninterrupted, out: Path, fault: str, expected_resume: Tuple[int, ...], **env: str) -> None:
+def _check(uninterrupted, out: Path, fault: str, expected_resume: Tuple[int, ...], **env: Any) -> None:
     weights, first, resumed_at, after = _run(out, fault, **env)
     assert resumed_at in expected_resume, (resumed_at, first)
     assert after == list(range(resumed_at + 1, STEPS + 1))  # repeated: only the steps after that checkpoint
@@ -106,3 +107,11 @@ def test_trainer_rank_killed_mid_step_resumes_from_the_newest_complete_checkpoin
 @pytest.mark.ci
 def test_trainer_rank_killed_right_after_a_commit_resumes_from_that_checkpoint(trainer_uninterrupted, tmp_path):
     _check(trainer_uninterrupted, tmp_path, "after_commit:2", (4,), FLATSHARD_ASYNC_SAVE="1", **TRAINER)
+
+
+@pytest.mark.ci
+def test_trainer_under_full_state_dict_killed_during_a_background_write_resumes(trainer_uninterrupted, tmp_path):
+    # FULL: rank 0's gathered optimizer state is the snapshot (its model.safetensors the Trainer writes itself)
+    config = fsdp_config(tmp_path, fsdp_state_dict_type="FULL_STATE_DICT")
+    _check(trainer_uninterrupted, tmp_path / "run", "during_write:2", (2,), config=config, FLATSHARD_ASYNC_SAVE="1",
+           **TRAINER)
