@@ -32,20 +32,28 @@ def autoload() -> None:
 class _WhenAccelerateIsLoaded:
     """A meta-path entry that finds nothing: at the first import after ``accelerate.accelerator`` has finished
     loading (accelerate's ``__init__`` goes on importing its other modules) it registers accel_flatshard, once,
-    unless accel_flatshard's Accelerator module is loading already (the runner, or a script that imports it)."""
+    unless accel_flatshard's Accelerator module is loading already (the runner, or a script that imports it).
+    While another accel_flatshard module is loading (one that imports accelerate, e.g. ``integrations.state_io``
+    imported first) it waits for a later import: registering resolves that module's names, not yet defined."""
 
     done = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Optional[Any]:
-        if self.done:
+        if self.done or _loading("accelerate.accelerator"):
             return None
-        module = sys.modules.get("accelerate.accelerator")
-        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        if "accel_flatshard.integrations.accelerate" in sys.modules:
+            self.done = True
+            return None  # the runner, or a script that imports accel_flatshard's Accelerator: it is being set up
+        if any(_loading(n) for n in list(sys.modules) if n.partition(".")[0] == "accel_flatshard"):
             return None
         self.done = True  # (before registering: that imports more)
-        if "accel_flatshard.integrations.accelerate" in sys.modules:
-            return None  # the runner, or a script that imports accel_flatshard's Accelerator: it is being set up
         from accel_flatshard.integrations.accelerate import register_for_launch_without_runner
 
         register_for_launch_without_runner()
         return None
+
+
+def _loading(name: str) -> bool:
+    """``name`` is not imported yet, or its import is still running."""
+    module = sys.modules.get(name)
+    return module is None or bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

@@ -76,7 +76,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("Accelerator", "accelerate", "Accelerator", "accel_flatshard.integrations.accelerate:Accelerator",
           "unmodified scripts (`from accelerate import Accelerator` after register()) shard with accel_flatshard",
           "accelerate 1.10.1, 1.16", also_bound_in=("accelerate.accelerator",), scope="register"),
-    *(Patch(fn, "accelerate.utils.fsdp_utils", fn, f"accel_flatshard.integrations.fsdp_utils_shim:{fn}",
+    *(Patch(fn, "accelerate.utils.fsdp_utils", fn, f"accel_flatshard.integrations.state_io:{fn}",
             _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24",
             also_bound_in=_FSDP_FUNCTION_BINDINGS, scan_packages=("accelerate", "transformers", "trl", "peft"))
       for fn in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")),
@@ -87,13 +87,13 @@ PATCHES: Tuple[Patch, ...] = (
           "transformers 4.57.6, 5.24", also_bound_in=("transformers.trainer",), wraps_original=True,
           optional_owner=True),
     Patch("trainer_checkpoint_commit", "transformers.trainer", "Trainer._save_checkpoint",
-          "accel_flatshard.integrations.fsdp_utils_shim:committing_trainer_checkpoints",
+          "accel_flatshard.integrations.state_io:committing_trainer_checkpoints",
           "a Trainer checkpoint of a sharded model is complete only once every rank wrote its files (a commit marker, "
           "written last); FLATSHARD_ASYNC_SAVE writes its model and optimizer in the background; save_total_limit "
           "never deletes the newest complete checkpoint", "transformers 4.57.6, 5.24", wraps_original=True,
           essential=False, optional_owner=True),
     Patch("get_last_checkpoint", "transformers.trainer_utils", "get_last_checkpoint",
-          "accel_flatshard.integrations.fsdp_utils_shim:newest_complete_trainer_checkpoint",
+          "accel_flatshard.integrations.state_io:newest_complete_trainer_checkpoint",
           "`resume_from_checkpoint=True` would pick the newest checkpoint folder even when its save was interrupted "
           "(no commit marker): it takes the newest complete one", "transformers 4.57.6, 5.24",
           also_bound_in=("transformers.trainer",), essential=False, optional_owner=True),

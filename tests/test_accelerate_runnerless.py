@@ -10,6 +10,9 @@ and ``accelerate config``'s FSDP2 yaml; ``ci``: the others (the same code path).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -66,6 +69,20 @@ def test_autoload_acts_only_in_a_launched_fsdp_run_of_several_processes(monkeypa
         # accelerate and accel_flatshard's Accelerator are loaded in this process: it finds nothing, registers
         # nothing (the Accelerator module is there: the runner's or the script's own import sets things up)
         assert finders[0].find_spec("json") is None and finders[0].done
+
+
+def test_a_script_that_imports_an_accel_flatshard_module_before_accelerate_registers_after_that_import():
+    """``state_io`` imports accelerate at its top: the autoload must not register while it is half loaded (the
+    patch table then resolved its functions, not yet defined: AttributeError), but at the script's next import."""
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}
+    script = ("import accel_flatshard.integrations.state_io, accelerate\n"
+              "print(accelerate.Accelerator.__module__)\n"
+              "import json.tool\n"
+              "print(accelerate.Accelerator.__module__)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["accelerate.accelerator", "accel_flatshard.integrations.accelerate"], proc.stdout
 
 
 @pytest.mark.parametrize("name", _yamls())

@@ -16,7 +16,7 @@ import accelerate.utils.fsdp_utils
 import transformers.trainer
 
 from accel_flatshard import patches
-from accel_flatshard.integrations import fsdp_utils_shim, versions
+from accel_flatshard.integrations import state_io, versions
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_install_reports_and_uninstall_restores_every_original(clean_patches, ca
     with caplog.at_level(logging.INFO, logger=patches.__name__):
         applied = patches.install(register=True)
     assert "transformers.trainer.save_fsdp_model" in applied and "accelerate.Accelerator" in applied
-    assert transformers.trainer.save_fsdp_model is fsdp_utils_shim.save_fsdp_model
+    assert transformers.trainer.save_fsdp_model is state_io.save_fsdp_model
     for where in applied:  # one INFO line per binding, then a summary
         assert f"patched {where}" in caplog.text
     assert f"{len(applied)} library bindings patched" in caplog.text

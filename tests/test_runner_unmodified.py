@@ -37,7 +37,7 @@ def test_merge_weights_script_builds_its_plugin_trains_saves_and_merges(merge_we
     # (a) FullyShardedDataParallelPlugin(...) in user code no longer raises on a CPU host
     assert "no available devices" not in output, output[-4000:]
     # the script's own `save_fsdp_model` import reaches accel_flatshard's, and accelerate merges what it wrote
-    assert "accel_flatshard.integrations.fsdp_utils_shim:Saving model to test_merge_weights_fsdp_weights" in output
+    assert "accel_flatshard.integrations.state_io:Saving model to test_merge_weights_fsdp_weights" in output
     assert "Successfully merged FSDP weights and saved to test_merge_weights_fsdp_weights/model.safetensors" in output
 
 

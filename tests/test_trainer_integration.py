@@ -28,7 +28,7 @@ from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import accelerate as acc_mod  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
 from accel_flatshard import patches  # noqa: E402
-from accel_flatshard.integrations import fsdp_utils_shim  # noqa: E402
+from accel_flatshard.integrations import state_io  # noqa: E402
 
 CONFIGS = REPO / "accelerate_configs"
 
@@ -181,7 +181,7 @@ def test_accelerate_fsdp_functions_replaced_where_looked_up(monkeypatch):
 
     patches.install()
     for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer"):
-        ours = getattr(fsdp_utils_shim, name)
+        ours = getattr(state_io, name)
         assert getattr(accelerate.utils, name) is ours
         assert getattr(accelerate.utils.fsdp_utils, name) is ours
         assert getattr(transformers.trainer, name) is ours, name
@@ -192,18 +192,18 @@ def test_accelerate_fsdp_functions_replaced_where_looked_up(monkeypatch):
 
     # a model accel_flatshard does not shard goes to accelerate's own function, arguments unchanged
     calls = []
-    monkeypatch.setitem(fsdp_utils_shim._ORIGINALS, "save_fsdp_model", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setitem(state_io._ORIGINALS, "save_fsdp_model", lambda *a, **k: calls.append((a, k)))
     plain, accelerator = nn.Linear(2, 2), SimpleNamespace(_models=[])
-    fsdp_utils_shim.save_fsdp_model("plugin", accelerator, plain, "out", model_index=1)
+    state_io.save_fsdp_model("plugin", accelerator, plain, "out", model_index=1)
     assert calls == [(("plugin", accelerator, plain, "out"), {"model_index": 1, "adapter_only": False, "use_dcp": True})]
 
 
 def test_accelerates_file_names():
     """The names accelerate.utils.fsdp_utils writes for each state dict type and model / optimizer index."""
-    names = fsdp_utils_shim.accelerate_names
-    assert [names(fsdp_utils_shim.FSDP_MODEL_NAME, i) for i in (0, 1)] == [
+    names = state_io.accelerate_names
+    assert [names(state_io.FSDP_MODEL_NAME, i) for i in (0, 1)] == [
         ("pytorch_model_fsdp_0", "pytorch_model_fsdp.bin"), ("pytorch_model_fsdp_1", "pytorch_model_fsdp_1.bin")]
-    assert [names(fsdp_utils_shim.OPTIMIZER_NAME, i) for i in (0, 1)] == [
+    assert [names(state_io.OPTIMIZER_NAME, i) for i in (0, 1)] == [
         ("optimizer_0", "optimizer.bin"), ("optimizer_1", "optimizer_1.bin")]
 
 

@@ -1,6 +1,6 @@
 """Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
 
-A directory written by ``save_state`` (``integrations/fsdp_utils_shim.py``) or a Trainer checkpoint is
+A directory written by ``save_state`` (``integrations/state_io.py``) or a Trainer checkpoint is
 *complete* only once its commit marker :data:`COMPLETE_FILE` exists.  Rank 0 first writes :data:`PENDING_FILE`
 naming every part the save will write (model and optimizer directories or files, each rank's RNG file, ...), and
 writes the commit marker last, atomically, after every rank reported its parts written.  So a save interrupted

@@ -13,7 +13,7 @@ accelerate would use torch FSDP.  What differs from plain accelerate, and why (R
 * ``prepare_model`` wraps every model (``evaluation_mode=True`` ones too) with accel_flatshard; the original
   ``nn.Parameter`` objects stay, so an optimizer made before or after ``prepare`` keeps working.
 * ``clip_grad_norm_`` (also over several models) / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` /
-  ``load_state`` know the sharded layout (checkpoints: :mod:`.fsdp_utils_shim`); ``dynamo_backend`` compiles
+  ``load_state`` know the sharded layout (checkpoints: :mod:`.state_io`); ``dynamo_backend`` compiles
   the sharded model (``compilation.py``); ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``, also
   on CPU.  ``backward``, ``accumulate``, ``gather_for_metrics`` and the optimizer / dataloader / scheduler
   preparation are accelerate's own; TRL, PEFT and the Trainer see through the wrapper (``trainer_trl_peft.py``).
@@ -44,7 +44,7 @@ from ..fully_sharded import FullyShardedDataParallel
 from ..grad_norm import clip_grad_norm_, scale_by_clip_coefficient
 from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
-from . import fsdp_utils_shim
+from . import state_io
 from .versions import check_versions
 from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, launched_world_size
 from .config import normalize_plugin_to_fsdp1, options_from_plugin
@@ -297,19 +297,19 @@ class Accelerator(_BaseAccelerator):
         ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and optimizer in the background."""
         if self._flatshard_options is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        return fsdp_utils_shim.save_state(self, output_dir, safe_serialization,
-                                          async_save=save_model_func_kwargs.pop("async_save", None))
+        return state_io.save_state(self, output_dir, safe_serialization,
+                                   async_save=save_model_func_kwargs.pop("async_save", None))
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
         """Inverse of :meth:`save_state`; the layout (FULL or SHARDED) is detected from the directory."""
         if self._flatshard_options is None:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-        fsdp_utils_shim.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
+        state_io.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
 
     def end_training(self) -> None:
         """accelerate's, after the asynchronous save in flight (if any) is written (its failure raises here)."""
-        fsdp_utils_shim.wait_for_saves()
+        state_io.wait_for_saves()
         super().end_training()
 
 

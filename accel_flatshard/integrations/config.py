@@ -127,7 +127,7 @@ def options_from_plugin(
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
-    from .fsdp_utils_shim import state_dict_type_name  # what save_state writes: checked here, before training
+    from .state_io import state_dict_type_name  # what save_state writes: checked here, before training
 
     environ = os.environ if environ is None else environ
     options.check_environment(environ)

@@ -1,4 +1,4 @@
-"""Checkpoints of the Accelerate backend: ``save_state`` / ``load_state``, and accelerate's free FSDP functions.
+"""The Accelerator's state I/O: ``save_state`` / ``load_state``, and accelerate's free FSDP functions.
 
 ``transformers.Trainer`` (checkpoints, resume, ``load_best_model_at_end``) and other code call
 ``accelerate.utils.save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` / ``load_fsdp_optimizer``
