@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: example test test-ci test-all bench bench-gen clean
+.PHONY: example lint test test-ci test-all bench bench-gen clean
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -13,6 +13,10 @@ $(VENV_STAMP): pyproject.toml
 
 example: $(VENV_STAMP)
 	.venv/bin/accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/train_causal_lm.py
+
+# Line length (120) and pyflakes over the package (pyproject.toml [tool.ruff]); CI runs it first (.ci/run).
+lint: $(VENV_STAMP)
+	.venv/bin/ruff check accel_flatshard accel_flatshard_autoload.py
 
 # The default suite: unit tests first, then spawned gloo ranks, then real launches (tests/conftest.py).
 test: $(VENV_STAMP)

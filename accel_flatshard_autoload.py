@@ -25,7 +25,8 @@ def autoload() -> None:
     """torch's entry point: arm :class:`_WhenAccelerateIsLoaded` in a launched FSDP run of several processes."""
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() in _TRUE
     world = os.environ.get("WORLD_SIZE", "1").strip()
-    if fsdp and world.isdigit() and int(world) > 1 and not any(isinstance(f, _WhenAccelerateIsLoaded) for f in sys.meta_path):
+    armed = any(isinstance(f, _WhenAccelerateIsLoaded) for f in sys.meta_path)
+    if fsdp and world.isdigit() and int(world) > 1 and not armed:
         sys.meta_path.insert(0, _WhenAccelerateIsLoaded())
 
 

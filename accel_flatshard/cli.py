@@ -28,7 +28,8 @@ def _human(n: float) -> str:
 
 
 def _print_tensors(tensors: dict, indent: str = "") -> None:
-    rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for name, d in tensors.items()]
+    rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", ""))
+            for name, d in tensors.items()]
     width = max([len(r[0]) for r in rows] + [4])
     for name, shape, dtype, kind in [("name", "shape", "dtype", "kind")] + rows:
         print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}".rstrip())
@@ -67,7 +68,8 @@ def _print_save_state(info: dict) -> None:
         layout = ("sharded (SHARDED_STATE_DICT), saved at world size " + str(entry["world_size"])
                   if entry["layout"] == "sharded" else "full file")
         source = entry.get("optimizer_class") or entry.get("model_class")
-        print(f"{kind} {entry['name']}: {layout}{f', {source}' if source else ''}, {_human(entry['file_bytes'])} on disk")
+        source = f", {source}" if source else ""
+        print(f"{kind} {entry['name']}: {layout}{source}, {_human(entry['file_bytes'])} on disk")
         if "tensors" in entry:
             print(f"  tensors: {len(entry['tensors'])}, {_human(entry['total_bytes'])} of tensor data" +
                   ("" if kind == "model" else f" (`accel-flatshard inspect {entry['path']}` lists them)"))
@@ -83,7 +85,8 @@ def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint.offline import consolidate_save_state, is_save_state_dir
 
     run = consolidate_save_state if is_save_state_dir(args.checkpoint) else consolidate  # (its model)
-    for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size, verify_checksums=not args.no_verify):
+    for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
+                 verify_checksums=not args.no_verify):
         print(f)
     return 0
 

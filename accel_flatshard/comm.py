@@ -303,7 +303,8 @@ def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseExcep
 def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A gloo group over the ranks of ``group`` (for :func:`rendezvous_or_fail`; monitored_barrier needs
     gloo, also under nccl).  Collective over those ranks only."""
-    ranks = list(range(dist.get_world_size(group))) if group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    ranks = (list(range(dist.get_world_size(group))) if group is dist.group.WORLD
+             else dist.get_process_group_ranks(group))
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 

@@ -103,7 +103,8 @@ PATCHES: Tuple[Patch, ...] = (
           "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24; peft 0.17.1, 0.21; trl 0.24.0, 1.16",
           also_bound_in=("accelerate.utils", "accelerate.accelerator", "transformers.modeling_utils"),
           scan_packages=("accelerate", "transformers", "peft", "trl"), wraps_original=True),
-    Patch("prepare_fsdp", "trl.models.utils", "prepare_fsdp", "accel_flatshard.integrations.trainer_trl_peft:sharding_reference_models",
+    Patch("prepare_fsdp", "trl.models.utils", "prepare_fsdp",
+          "accel_flatshard.integrations.trainer_trl_peft:sharding_reference_models",
           "TRL wraps reference/teacher models in torch FSDP itself; ours shards them with the policy's options",
           "trl 0.24.0, 1.16", also_bound_in=("trl.trainer.dpo_trainer",), scan_packages=("trl",),
           wraps_original=True, optional_owner=True),
@@ -154,7 +155,8 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.generation:release_frozen_units",
           "units a frozen model keeps gathered go stale when a step changes its shards (TRL's sync_ref_model writes "
           "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
-    Patch("accelerate_fsdp_state", "accelerate.state", "PartialState._shared_state", "accelerate.utils:DistributedType.FSDP",
+    Patch("accelerate_fsdp_state", "accelerate.state", "PartialState._shared_state",
+          "accelerate.utils:DistributedType.FSDP",
           "on a host without CUDA the Accelerator switches accelerate's MULTI_CPU state to FSDP; PartialState keeps "
           "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.16",
           key="distributed_type", scope="fsdp_state"),
