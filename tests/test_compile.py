@@ -283,6 +283,7 @@ def compiled_launch(tmp_path_factory):
     return (tmp, *_launch_pair(tmp, regional=True, extra=save))
 
 
+@pytest.mark.ci  # ~70 s of launches; make test compiles in process (regional, whole model, bf16 + checkpointing)
 def test_accelerate_launch_compiled_matches_ddp(compiled_launch):
     """accelerate_configs/cpu_2proc_compile.yaml (the README yaml + dynamo INDUCTOR, regional) under
     ``accelerate launch``: DDP + the same compilation's losses, grad norms and eval loss within 1e-5;

@@ -282,6 +282,8 @@ def _layouts_worker(rank: int, world: int, save_dir: str) -> dict:
         _accelerator(FSDP2_ENV, parallelism_config=ParallelismConfig(dp_replicate_size=1, dp_shard_size=2))
     except ValueError as exc:
         out["size_error"] = str(exc)
+    # ranks 2 and 3 fail before the mesh: wait here, or their exit resets 0 and 1's connections mid-mesh
+    torch.distributed.barrier()
     return out
 
 

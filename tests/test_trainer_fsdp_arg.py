@@ -91,9 +91,9 @@ def test_fsdp_argument_resumes_from_its_checkpoint(full_shard_run, ddp_run, work
     assert _max_loss_diff(resumed, ddp_run, after) <= LOSS_TOL
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fsdp, version", [("shard_grad_op auto_wrap", 2), ("full_shard auto_wrap", 1),
-                                           ("shard_grad_op auto_wrap", 1)])
+@pytest.mark.parametrize("fsdp, version", [pytest.param("shard_grad_op auto_wrap", 2, marks=pytest.mark.slow),
+                                           pytest.param("full_shard auto_wrap", 1, marks=pytest.mark.slow),
+                                           pytest.param("shard_grad_op auto_wrap", 1, marks=pytest.mark.ci)])
 def test_fsdp_argument_strategies_and_versions_train_sharded_like_ddp(work, ddp_run, fsdp, version):
     run = _train(work / f"{fsdp.split()[0]}_v{version}", fsdp, version)
     _assert_state_right_from_the_start(run)
