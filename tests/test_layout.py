@@ -1,10 +1,13 @@
-"""The package's shape: no import circles (also through lazy in-function imports), state_dict/ stays below
-checkpoint/ and integrations/, torch.distributed collectives are called only in comm.py,
+"""The package's shape: no import circles (also through lazy in-function imports, or a package's ``__init__`` that
+runs before its module), state_dict/ stays below checkpoint/ (but its ``format``) and integrations/, torch.distributed collectives are called only in comm.py,
 the environment is read only in options.py and integrations/config.py, no module is over 600 lines."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -101,9 +104,29 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_state_dict_imports_neither_checkpoint_nor_integrations():
     graph = _graph()
-    bad = {m: sorted(d for d in deps if d.startswith((f"{NAME}.checkpoint", f"{NAME}.integrations")))
+    bad = {m: sorted(d for d in deps if d.startswith((f"{NAME}.checkpoint", f"{NAME}.integrations"))
+                     and d != f"{NAME}.checkpoint.format")  # (the errors and dtype names: below state_dict/)
            for m, deps in graph.items() if m.startswith(f"{NAME}.state_dict")}
     assert not any(bad.values()), bad
+    assert graph[f"{NAME}.checkpoint.format"] == {f"{NAME}.comm"}
+
+
+def test_every_module_imports_first_in_a_fresh_process():
+    """Importing ``a.b`` runs ``a/__init__.py`` first: a package that eagerly imports a module importing ``a.b``
+    back is a circle the static graph above does not see (checkpoint/__init__.py and state_dict/ -> format)."""
+    names = sorted(n for n in _modules() if n != f"{NAME}.run" and not n.endswith("__main__"))  # (they run)
+    script = ("import importlib, sys, traceback\n"
+              f"for name in {names!r}:\n"
+              "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'accel_flatshard']:\n"
+              "        del sys.modules[loaded]\n"
+              "    try:\n"
+              "        importlib.import_module(name)\n"
+              "    except Exception:\n"
+              "        print(name, traceback.format_exc(limit=-2))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_FSDP", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=PACKAGE.parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and not proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 def test_collectives_only_in_comm():

@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from .. import comm
 from ..engine import CudaStreams
-from ..state_dict.model import CheckpointError
 from .atomic import write_json_atomic
 from .dcp import Entry, FlatRange
+from .format import CheckpointError
 
 __all__ = ["COMPLETE_FILE", "PENDING_FILE", "missing_parts", "check_complete", "newest_complete_checkpoint",
            "prune_checkpoints", "snapshot_entries", "snapshot_bytes", "start_save", "wait_for_saves", "writer_group",

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..state_dict.model import CheckpointError, dtype_to_str, str_to_dtype
 from .atomic import write_atomic, write_json_atomic
+from .format import CheckpointError, dtype_to_str, str_to_dtype
 from .sharded import META_FILE, load_entries, open_checkpoint, read_meta, resolve_checkpoint_dir
 
 __all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "parse_size", "is_save_state_dir",

@@ -47,13 +47,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 
 from .. import comm
-from ..state_dict.model import (CheckpointError, ModelIndex, ParamInfo, UnsafeCheckpointError, agree, dtype_to_str,
-                                str_to_dtype)
+from ..state_dict.model import ModelIndex, ParamInfo
 from ..state_dict.optim import (SCALAR, SHARDED, check_groups, decode_value, encode_groups, encode_value,
                                 optimizer_groups, sharded_local, state_schema, torch_state_dict)
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
 from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
 from .dcp import storage_records
+from .format import CheckpointError, UnsafeCheckpointError, agree, dtype_to_str, str_to_dtype
 
 __all__ = ["save_sharded_model", "load_sharded_model", "save_sharded_optimizer", "load_sharded_optimizer",
            "save_entries", "open_checkpoint", "load_entries", "resolve_checkpoint_dir", "read_meta",
@@ -100,7 +100,7 @@ def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     save_entries(group, directory, entries, meta)
 
 
-def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], dict]:
+def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], Dict[str, Any]]:
     """``(group, entries, meta)`` of the optimizer state, as :func:`model_entries` for the model."""
     index = ModelIndex(model, "save_sharded_optimizer")
     groups = optimizer_groups(index, optimizer)
@@ -112,8 +112,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tup
         for key, (kind, dtype, value) in schema.get(info.fqn, {}).items():
             name = f"state.{info.fqn}.{key}"
             if kind == SHARDED:
-                tensors[name] = {"kind": "state", "param": info.fqn, "key": key, "shape": list(info.shape),
-                                 "dtype": dtype}
+                tensors[name] = {"kind": "state", "param": info.fqn, "key": key, "shape": list(info.shape), "dtype": dtype}
                 if index.group.replica_index == 0:
                     entries[name] = _range(info, sharded_local(info, optimizer, key, dtype))
             elif kind == SCALAR:
@@ -185,8 +184,7 @@ def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, ve
                     if meta.get("model_class") and meta["model_class"] != cls else "")
             raise CheckpointError(f"checkpoint does not match the model{note}; saved at world size "
                                   f"{meta.get('world_size')}:\n  " + "\n  ".join(problems))
-        entries: Dict[str, Entry] = {stored[n]: _range(i, i.local()) for n, i in index.params.items()
-                                     if stored[n] in saved}
+        entries: Dict[str, Entry] = {stored[n]: _range(i, i.local()) for n, i in index.params.items() if stored[n] in saved}
         entries.update((n, buf) for n, buf in index.buffers.items() if n in saved)
         return entries
 
@@ -219,9 +217,9 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
             dtype = str_to_dtype(desc["dtype"], name)
             if desc["kind"] == "state":
                 if tuple(desc["shape"]) != info.shape:
-                    problems.append(f"{name}: checkpoint shape {tuple(desc['shape'])}, parameter {info.shape}")
+                    problems.append(f"{name}: checkpoint shape {tuple(desc['shape'])}, the parameter has shape {info.shape}")
                 elif dtype != info.dtype:
-                    problems.append(f"{name}: checkpoint dtype {desc['dtype']}, parameter {dtype_to_str(info.dtype)}")
+                    problems.append(f"{name}: checkpoint dtype {desc['dtype']}, the parameter is {dtype_to_str(info.dtype)}")
                 else:
                     entries[name] = _range(info, _target(optimizer, info, desc["key"], dtype))
             elif desc["kind"] == "scalar":
@@ -291,10 +289,9 @@ def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: not an accel_flatshard checkpoint (format={found!r}, expected {FORMAT!r})")
+        raise CheckpointError(f"{path}: not an accel_flatshard checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: format_version {meta.get('format_version')!r}, this version reads {FORMAT_VERSION}")
     for field in ("kind", "world_size", "tensors", "files", "dcp_metadata"):
         if field not in meta:
             raise CheckpointError(f"{path}: field {field!r} is missing")
@@ -378,7 +375,7 @@ def load_metadata_safely(path: str) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or corrupt pickle
-        raise CheckpointError(f"{path}: cannot read DCP metadata ({e!r}); the file is corrupt or truncated") from None
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e}); the file is corrupt or truncated") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{path}: expected a DCP Metadata object, found {type(md).__name__}")
     if not isinstance(md.state_dict_metadata, dict):
@@ -387,8 +384,7 @@ def load_metadata_safely(path: str) -> Metadata:
         if not isinstance(key, str) or not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
             raise CheckpointError(f"{path}: bad metadata entry {key!r}: {type(entry).__name__}")
         if isinstance(entry, TensorStorageMetadata):
-            props = entry.properties
-            if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
                 raise CheckpointError(f"{path}: entry {key!r} has no valid dtype")
             if not all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks):
                 raise CheckpointError(f"{path}: entry {key!r} has malformed chunks")
@@ -456,7 +452,7 @@ def open_checkpoint(directory: str, kind: str) -> Tuple[str, Dict[str, Any], Met
         raise CheckpointError(f"{md_path}: DCP metadata file is missing")
     size = os.path.getsize(md_path)
     if size != info.get("size"):
-        raise CheckpointError(f"{md_path}: {size} bytes, {META_FILE} says {info.get('size')} (truncated or replaced)")
+        raise CheckpointError(f"{md_path}: size is {size} bytes, {META_FILE} expects {info.get('size')} (truncated or replaced)")
     if _crc32_of_file(md_path) != info.get("crc32"):
         raise CheckpointError(f"{md_path}: checksum mismatch (corrupt, or from another save)")
     md = load_metadata_safely(md_path)

@@ -32,16 +32,17 @@ import collections
 import contextlib
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .. import comm, options
+from ..checkpoint.format import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
 from ..unit import UnitState
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "install", "find_wrapper", "local_slices", "ModelIndex",
-           "gather_full", "full_state_dict", "load_full_state_dict", "LoadResult"]
+__all__ = ["install", "find_wrapper", "local_slices", "ModelIndex", "gather_full", "full_state_dict",
+           "load_full_state_dict", "LoadResult"]
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
 # how long ranks other than 0 wait for rank 0 (which often arrives late: it writes config files first)
@@ -49,33 +50,6 @@ _PEER_TIMEOUT = datetime.timedelta(minutes=30)
 _ATTR = "_flatshard_record"
 # what nn.Module.load_state_dict returns (its own class is private); accelerate's load_fsdp_model returns it too
 LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
-
-
-# ---------------------------------------------------------------------- errors and dtype names
-class CheckpointError(RuntimeError):
-    """A state dict or checkpoint cannot be saved or loaded; the message names the key or file and what differs."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asks to run code (e.g. a pickle referencing a non-allowed global)."""
-
-
-def dtype_to_str(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def str_to_dtype(name: str, source: str = "checkpoint") -> torch.dtype:
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"{source}: unknown dtype {name!r}")
-    return value
-
-
-def agree(group, error: Union[None, str, BaseException]) -> None:
-    """:func:`comm.agree_on_error` with this package's error classes (a string becomes a CheckpointError)."""
-    if isinstance(error, str):
-        error = CheckpointError(error)
-    comm.agree_on_error(group, error, (CheckpointError, UnsafeCheckpointError), CheckpointError)
 
 
 # ---------------------------------------------------------------------- which wrapper shards a module
