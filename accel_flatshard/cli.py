@@ -28,8 +28,7 @@ def _human(n: float) -> str:
 
 
 def _print_tensors(tensors: dict, indent: str = "") -> None:
-    rows = [(name, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", ""))
-            for name, d in tensors.items()]
+    rows = [(n, "x".join(map(str, d["shape"])) or "()", d["dtype"], d.get("kind", "")) for n, d in tensors.items()]
     width = max([len(r[0]) for r in rows] + [4])
     for name, shape, dtype, kind in [("name", "shape", "dtype", "kind")] + rows:
         print(f"{indent}{name:<{width}}  {shape:<16} {dtype:<10} {kind}".rstrip())

@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from .. import comm
 from ..engine import CudaStreams
-from .atomic import write_json_atomic
 from .dcp import Entry, FlatRange
 from .format import CheckpointError
 

@@ -205,7 +205,7 @@ def _view(entry: Entry, chunk: Chunk) -> torch.Tensor:
 class FlatSavePlanner(SavePlanner):
     """Writes each :class:`FlatRange` as chunks of its true shape and each plain tensor once."""
 
-    def set_up_planner(self, state_dict: Dict[str, Entry], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(self, state_dict: Dict[str, Entry], storage_meta: Any = None, is_coordinator: bool = False):
         self.state_dict = state_dict
         self._views: Dict[Tuple[str, Shape], Tuple[Entry, Chunk]] = {}
 
@@ -236,8 +236,8 @@ class FlatSavePlanner(SavePlanner):
                 entry = md.setdefault(item.index.fqn, TensorStorageMetadata(td.properties, td.size, []))
                 if entry.size != td.size or entry.properties.dtype != td.properties.dtype:
                     raise CheckpointError(
-                        f"{item.index.fqn}: ranks disagree on shape/dtype ({tuple(entry.size)}, {entry.properties.dtype}) "
-                        f"vs ({tuple(td.size)}, {td.properties.dtype})")
+                        f"{item.index.fqn}: ranks disagree on shape/dtype ({tuple(entry.size)}, "
+                        f"{entry.properties.dtype}) vs ({tuple(td.size)}, {td.properties.dtype})")
                 entry.chunks.append(td.chunk)
                 kept.append(item)
             new_plans.append(SavePlan(kept, storage_data=plan.storage_data, planner_data=plan.planner_data))
@@ -259,7 +259,7 @@ class FlatSavePlanner(SavePlanner):
 class FlatLoadPlanner(LoadPlanner):
     """Reads, for every target range or tensor, exactly the parts of the saved chunks it overlaps."""
 
-    def set_up_planner(self, state_dict: Dict[str, Entry], metadata: Metadata = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(self, state_dict: Dict[str, Entry], metadata: Metadata = None, is_coordinator: bool = False):
         self.state_dict = state_dict
         self.metadata = metadata
         self._targets: Dict[Tuple[str, Shape], torch.Tensor] = {}
@@ -336,11 +336,13 @@ def storage_records(md: Metadata, source: str = "checkpoint") -> Dict[MetadataIn
         raise CheckpointError(f"{source}: metadata has no storage records")
     out = {}
     for index, info in md.storage_data.items():
-        rel, off, length = (getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None))
-        if not isinstance(index, MetadataIndex) or not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+        rel, off, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not (isinstance(index, MetadataIndex) and isinstance(rel, str) and isinstance(off, int)
+                and isinstance(length, int)):
             raise CheckpointError(f"{source}: malformed storage record {index!r}: {info!r}")
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{source}: item {index.fqn!r} uses stream transforms {info.transform_descriptors}, which this loader does not support")
+            raise CheckpointError(f"{source}: item {index.fqn!r} uses stream transforms "
+                                  f"{info.transform_descriptors}, which this loader does not support")
         out[index] = (rel, off, length)
     return out
 
@@ -416,7 +418,7 @@ class _PreloadedReader(FileSystemReader):
                             src = src.narrow(dim, o, n)
                         dst = planner.resolve_tensor(req).detach()
                         if dst.shape != src.shape:
-                            raise CheckpointError(f"{path}: {sidx.fqn!r} read {tuple(src.shape)} for a target of {tuple(dst.shape)}")
+                            raise CheckpointError(f"{path}: {sidx.fqn!r} is {tuple(src.shape)}, not {tuple(dst.shape)}")
                         dst.copy_(src)
                         planner.commit_tensor(req, dst)
                     del tensor
@@ -435,19 +437,21 @@ class _PreloadedReader(FileSystemReader):
             if expected is None:
                 raise CheckpointError(f"{where}: no checksum recorded for bytes [{off}, {off + length})")
             if zlib.crc32(data) != expected:
-                raise CheckpointError(f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
+                raise CheckpointError(
+                    f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{where}: cannot read tensor data ({type(e).__name__}: {e}); the file is corrupt") from None
+            raise CheckpointError(f"{where}: cannot read tensor data ({type(e).__name__}: {e}); corrupt file") from None
         md = self._metadata.state_dict_metadata.get(sidx.fqn)
         chunk = None
         if isinstance(md, TensorStorageMetadata) and sidx.index is not None and sidx.index < len(md.chunks):
             chunk = md.chunks[sidx.index]
-        if not isinstance(tensor, torch.Tensor) or (isinstance(md, TensorStorageMetadata) and tensor.dtype != md.properties.dtype) \
+        saved = getattr(getattr(md, "properties", None), "dtype", "?")  # the dtype the metadata records
+        if not isinstance(tensor, torch.Tensor) or (isinstance(md, TensorStorageMetadata) and tensor.dtype != saved) \
                 or (chunk is not None and tuple(tensor.shape) != tuple(chunk.sizes)):
             got = f"{type(tensor).__name__} {getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}"
-            raise CheckpointError(f"{where}: holds {got}, the metadata says {getattr(getattr(md, 'properties', None), 'dtype', '?')} "
+            raise CheckpointError(f"{where}: holds {got}, the metadata says {saved} "
                                   f"{tuple(chunk.sizes) if chunk is not None else ''}")
         return tensor
 

@@ -100,7 +100,7 @@ def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     save_entries(group, directory, entries, meta)
 
 
-def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], Dict[str, Any]]:
+def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], dict]:
     """``(group, entries, meta)`` of the optimizer state, as :func:`model_entries` for the model."""
     index = ModelIndex(model, "save_sharded_optimizer")
     groups = optimizer_groups(index, optimizer)
@@ -112,7 +112,7 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tup
         for key, (kind, dtype, value) in schema.get(info.fqn, {}).items():
             name = f"state.{info.fqn}.{key}"
             if kind == SHARDED:
-                tensors[name] = {"kind": "state", "param": info.fqn, "key": key, "shape": list(info.shape), "dtype": dtype}
+                tensors[name] = dict(kind="state", param=info.fqn, key=key, shape=list(info.shape), dtype=dtype)
                 if index.group.replica_index == 0:
                     entries[name] = _range(info, sharded_local(info, optimizer, key, dtype))
             elif kind == SCALAR:
@@ -184,7 +184,7 @@ def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, ve
                     if meta.get("model_class") and meta["model_class"] != cls else "")
             raise CheckpointError(f"checkpoint does not match the model{note}; saved at world size "
                                   f"{meta.get('world_size')}:\n  " + "\n  ".join(problems))
-        entries: Dict[str, Entry] = {stored[n]: _range(i, i.local()) for n, i in index.params.items() if stored[n] in saved}
+        entries = {stored[n]: _range(i, i.local()) for n, i in index.params.items() if stored[n] in saved}
         entries.update((n, buf) for n, buf in index.buffers.items() if n in saved)
         return entries
 
@@ -217,9 +217,9 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
             dtype = str_to_dtype(desc["dtype"], name)
             if desc["kind"] == "state":
                 if tuple(desc["shape"]) != info.shape:
-                    problems.append(f"{name}: checkpoint shape {tuple(desc['shape'])}, the parameter has shape {info.shape}")
+                    problems.append(f"{name}: checkpoint shape {tuple(desc['shape'])}, parameter {info.shape}")
                 elif dtype != info.dtype:
-                    problems.append(f"{name}: checkpoint dtype {desc['dtype']}, the parameter is {dtype_to_str(info.dtype)}")
+                    problems.append(f"{name}: checkpoint dtype {desc['dtype']}, parameter {dtype_to_str(info.dtype)}")
                 else:
                     entries[name] = _range(info, _target(optimizer, info, desc["key"], dtype))
             elif desc["kind"] == "scalar":
@@ -289,9 +289,10 @@ def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an accel_flatshard checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: not an accel_flatshard checkpoint (format={found!r}, expected {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {meta.get('format_version')!r}, this version reads {FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     for field in ("kind", "world_size", "tensors", "files", "dcp_metadata"):
         if field not in meta:
             raise CheckpointError(f"{path}: field {field!r} is missing")
@@ -375,7 +376,7 @@ def load_metadata_safely(path: str) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or corrupt pickle
-        raise CheckpointError(f"{path}: cannot read DCP metadata ({type(e).__name__}: {e}); the file is corrupt or truncated") from None
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({e!r}); the file is corrupt or truncated") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{path}: expected a DCP Metadata object, found {type(md).__name__}")
     if not isinstance(md.state_dict_metadata, dict):
@@ -384,7 +385,8 @@ def load_metadata_safely(path: str) -> Metadata:
         if not isinstance(key, str) or not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
             raise CheckpointError(f"{path}: bad metadata entry {key!r}: {type(entry).__name__}")
         if isinstance(entry, TensorStorageMetadata):
-            if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
+            props = entry.properties
+            if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
                 raise CheckpointError(f"{path}: entry {key!r} has no valid dtype")
             if not all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks):
                 raise CheckpointError(f"{path}: entry {key!r} has malformed chunks")
@@ -452,7 +454,7 @@ def open_checkpoint(directory: str, kind: str) -> Tuple[str, Dict[str, Any], Met
         raise CheckpointError(f"{md_path}: DCP metadata file is missing")
     size = os.path.getsize(md_path)
     if size != info.get("size"):
-        raise CheckpointError(f"{md_path}: size is {size} bytes, {META_FILE} expects {info.get('size')} (truncated or replaced)")
+        raise CheckpointError(f"{md_path}: {size} bytes, {META_FILE} says {info.get('size')} (truncated or replaced)")
     if _crc32_of_file(md_path) != info.get("crc32"):
         raise CheckpointError(f"{md_path}: checksum mismatch (corrupt, or from another save)")
     md = load_metadata_safely(md_path)

@@ -46,8 +46,8 @@ def optimizer_groups(index: ModelIndex, optimizer: torch.optim.Optimizer) -> Lis
         for p in group["params"]:
             info = index.by_param_id.get(id(p))
             if info is None:
-                raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter (shape {tuple(p.shape)}) that is not a "
-                                      "parameter of the sharded model; build the optimizer from model.parameters()")
+                raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter (shape {tuple(p.shape)}) that "
+                                      "is not the sharded model's; build the optimizer from model.parameters()")
             infos.append(info)
         out.append(infos)
     return out
@@ -62,7 +62,7 @@ def _describe(value: Any) -> Tuple[str, Optional[str], Any]:
     return VALUE, None, value
 
 
-def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer, shard_group) -> Dict[str, Dict[str, Tuple]]:
+def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer, shard_group) -> Dict[str, dict]:
     """The union of every rank's state schema (collective when the world size is > 1)."""
     local: Dict[str, Dict[str, Tuple]] = {}
     for info in (i for infos in groups for i in infos):
@@ -78,7 +78,8 @@ def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer
             target = merged.setdefault(fqn, {})
             for key, desc in entry.items():
                 if key in target and target[key][:2] != desc[:2]:
-                    raise CheckpointError(f"optimizer state {fqn!r}[{key!r}] differs between ranks: {target[key][:2]} vs {desc[:2]}")
+                    raise CheckpointError(
+                        f"optimizer state {fqn!r}[{key!r}] differs between ranks: {target[key][:2]} vs {desc[:2]}")
                 target.setdefault(key, desc)
     return merged
 
@@ -142,8 +143,8 @@ def check_groups(saved: List[Dict[str, Any]], names: List[List[str]]) -> None:
         if set(s_names) != set(mine):
             missing = [n for n in mine if n not in s_names]
             extra = [n for n in s_names if n not in mine]
-            raise CheckpointError(f"optimizer param_groups[{g}] differs: parameters not in the checkpoint's group: {missing}; "
-                                  f"in the checkpoint's group but not the optimizer's: {extra}")
+            raise CheckpointError(f"optimizer param_groups[{g}] differs: parameters not in the checkpoint's group: "
+                                  f"{missing}; in the checkpoint's group but not the optimizer's: {extra}")
 
 
 def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], state: Dict[str, Dict[str, Any]],
@@ -159,7 +160,8 @@ def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], s
                 out_state[idx] = state[name]
             ids.append(idx)
             idx += 1
-        g = {k: decode_value(v, group.get(k)) if not isinstance(v, torch.Tensor) else v for k, v in h.items() if k not in _SKIP_GROUP_KEYS}
+        g = {k: v if isinstance(v, torch.Tensor) else decode_value(v, group.get(k))
+             for k, v in h.items() if k not in _SKIP_GROUP_KEYS}
         if "param_names" in group:
             g["param_names"] = list(group["param_names"])
         g["params"] = ids
@@ -168,7 +170,7 @@ def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], s
 
 
 # ---------------------------------------------------------------------- the full optimizer state dict
-def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> Dict[str, Any]:
+def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> dict:
     """Gather the optimizer state by parameter name with full-shaped tensors (collective).
 
     Gathers one (flat parameter, state key) at a time inside the shard group; returns CPU tensors on
@@ -196,11 +198,12 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
             shard = torch.zeros(flat.layout.shard_numel, dtype=str_to_dtype(dtype), device=flat.device)
             for info in holders:
                 piece = info.piece
-                shard[piece.shard_start : piece.shard_start + piece.length].copy_(sharded_local(info, optimizer, key, dtype))
+                shard.narrow(0, piece.shard_start, piece.length).copy_(sharded_local(info, optimizer, key, dtype))
             full = gather_full(flat, group, shard)
             for info in holders if receives else ():
                 slot = flat.layout.slots[info.slot_index]
-                state.setdefault(info.fqn, {})[key] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+                value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                state.setdefault(info.fqn, {})[key] = value.to("cpu", copy=True)
             del full, shard
     if not receives:
         return {}
@@ -209,7 +212,7 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
                for infos in groups for info in infos if info.fqn in schema}
     param_groups = []
     for g, infos in zip(optimizer.param_groups, groups):
-        hyper = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in group_hyperparams(g).items()}
+        hyper = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in group_hyperparams(g).items()}
         param_groups.append({**hyper, "params": [i.fqn for i in infos]})
     return {"state": ordered, "param_groups": param_groups}
 
@@ -247,7 +250,7 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
 def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
     """(schema, hyperparameter groups) of a full dict, after checking it against model and optimizer."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-        raise CheckpointError("a full optimizer state dict needs 'state' and 'param_groups' (see accel_flatshard.state_dict.optim)")
+        raise CheckpointError("a full optimizer state dict needs 'state' and 'param_groups' (state_dict/optim.py)")
     check_groups(osd["param_groups"], names)
     known = {n for group in names for n in group}
     schema: Dict[str, Dict[str, Any]] = {}
