@@ -26,6 +26,7 @@ safetensors = pytest.importorskip("safetensors.torch")
 SCRIPT = REPO / "tests" / "scripts" / "fault_on_rank.py"
 STEPS = 8
 RESTARTS = ["--max_restarts", "1", "--rdzv_backend", "c10d"]
+STDOUT: dict = {}  # each run's output directory -> its stdout
 
 
 def _run(out: Path, fault: Optional[str] = None, config: Path = CPU_FSDP_YAML,
@@ -37,6 +38,7 @@ def _run(out: Path, fault: Optional[str] = None, config: Path = CPU_FSDP_YAML,
     proc = launch(config, RESTARTS[0], [*RESTARTS[1:], str(SCRIPT), "--output_dir", str(out),
                                                  "--steps", str(STEPS)], env=env, timeout=600)
     first, resumed_at, after = [], None, []
+    STDOUT[out] = proc.stdout
     for line in proc.stdout.splitlines():
         if m := re.match(r"resumed from .* at step (\d+)$", line):
             resumed_at = int(m.group(1))
@@ -111,7 +113,8 @@ def test_trainer_rank_killed_right_after_a_commit_resumes_from_that_checkpoint(t
 
 @pytest.mark.ci
 def test_trainer_under_full_state_dict_killed_during_a_background_write_resumes(trainer_uninterrupted, tmp_path):
-    # FULL: rank 0's gathered optimizer state is the snapshot (its model.safetensors the Trainer writes itself)
+    # FULL: rank 0's gathered model and optimizer state are the snapshot; the Trainer's model write is deferred
     config = fsdp_config(tmp_path, fsdp_state_dict_type="FULL_STATE_DICT")
     _check(trainer_uninterrupted, tmp_path / "run", "during_write:2", (2,), config=config, FLATSHARD_ASYNC_SAVE="1",
            **TRAINER)
+    assert "save 1 writes in the background: ['the model (Trainer._save)'," in STDOUT[tmp_path / "run"]

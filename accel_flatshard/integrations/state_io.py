@@ -425,12 +425,17 @@ def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[...
         readies: List[Callable[[], None]] = []
         if background:
             SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
+        if background and not sharded:  # FULL: rank 0's gathered copy is the snapshot; the Trainer writes it later
+            save_now = self._save
+            self._save = lambda out=None, state_dict=None: writes.append(
+                ("the model (Trainer._save)", lambda group: save_now(out, state_dict=state_dict)))
         self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
         try:
             result = original(self, model, trial, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
             SNAPSHOTS.parts = SNAPSHOTS.readies = None
+            self.__dict__.pop("_save", None)
 
         def commit_marker() -> None:
             write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)

@@ -48,6 +48,7 @@ def install(point: str, n: int) -> None:
 
         def start_then_die(directory, parts, group, ready, commit_marker, background):
             counts["saves"] += 1
+            print(f"save {counts['saves']} writes in the background: {[what for what, _ in parts]}", flush=True)
             if counts["saves"] == n:
                 first, *rest = parts
                 parts = [first, ("the fault", lambda writer: die())] + rest
