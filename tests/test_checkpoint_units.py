@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from accel_flatshard.checkpoint.dcp import FlatLoadPlanner, FlatRange, FlatSavePlanner, check_tiling, plan_reads, range_to_chunks
 from accel_flatshard.checkpoint.atomic import commit_dir, new_tmp_dir
 from accel_flatshard.checkpoint.sharded import META_FILE, load_metadata_safely, resolve_checkpoint_dir
-from accel_flatshard.checkpoint.offline import parse_size
+from accel_flatshard.sizes import parse_size
 from accel_flatshard.flat_param import FlatParamLayout
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)

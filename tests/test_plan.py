@@ -206,7 +206,7 @@ def test_cli_errors_name_the_flag_at_fault(argv, message, capsys):
 
 
 def test_device_memory_sizes_parse_binary_and_decimal():
-    from accel_flatshard.checkpoint.offline import parse_size  # (also consolidate's --max-shard-size)
+    from accel_flatshard.sizes import parse_size  # (also consolidate's --max-shard-size)
 
     assert parse_size("80GiB") == parse_size("80G") == 80 * 2**30 and parse_size("24GB") == 24 * 10**9
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1e9") == 10**9

@@ -28,27 +28,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from ..sizes import parse_size
 from .atomic import write_atomic, write_json_atomic
 from .format import CheckpointError, dtype_to_str, str_to_dtype
 from .sharded import META_FILE, load_entries, open_checkpoint, read_meta, resolve_checkpoint_dir
 
-__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "parse_size", "is_save_state_dir",
+__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "is_save_state_dir",
            "read_save_state_info", "consolidate_save_state"]
 
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def parse_size(size: Union[int, str], name: str = "size") -> int:
-    """``"5GB"`` -> 5 * 10^9, ``"500MiB"`` or ``"80G"`` -> binary multiples, ``"1e9"`` or ``123`` -> bytes."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([\d.e+]+)\s*([KMGT]?)(i?)(B?)\s*", str(size), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse {name} {size!r}: expected a size such as 80GiB, 5GB, 500MiB or a number of bytes")
-    number, prefix, binary, b = m.groups()
-    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * (1000 if b and not binary else 1024) ** power)
 
 
 def _nbytes(desc: Dict[str, Any]) -> int:

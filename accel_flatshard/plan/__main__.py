@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..checkpoint.offline import parse_size
 from ..integrations.config import options_from_launch_args
+from ..sizes import parse_size
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
 from .launch import check_launch_args
 
