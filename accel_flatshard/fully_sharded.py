@@ -93,7 +93,7 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
-        _check_not_wrapped(module)
+        check_not_wrapped(module)
         options.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
         if "wrapper" not in patches.INSTALLED:
             patches.install("wrapper")  # the optimizer step hook that refuses steps during backward
@@ -410,13 +410,19 @@ def _check_device(device: torch.device, group: ShardGroup, module: nn.Module) ->
         raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl backend for CUDA")
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
+def check_not_wrapped(module: nn.Module) -> None:
+    """Refuse a model that accel_flatshard, torch DDP, torch FSDP1 or fully_shard (FSDP2) wraps already, naming the
+    (sub)module; ``accelerator.prepare`` calls it too, before it changes anything."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.nn.parallel import DistributedDataParallel
+
     for name, sub in module.named_modules():
-        where = name or type(module).__name__
-        if _UNIT_ATTR in sub.__dict__ or isinstance(sub, FullyShardedDataParallel):
-            raise ValueError(f"module {where!r} is already wrapped by accel_flatshard; wrap the model once")
-        cls = type(sub).__module__ + "." + type(sub).__name__
-        if cls.startswith("torch.distributed.fsdp") or cls.startswith("torch.nn.parallel.distributed"):
-            raise ValueError(f"module {where!r} is already wrapped by {type(sub).__name__}; pass the unwrapped model")
-        if type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard"):
-            raise ValueError(f"module {where!r} was sharded by torch fully_shard (FSDP2); pass an unsharded model")
+        fsdp2 = type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard")  # fully_shard's class swap
+        kind = ("accel_flatshard" if _UNIT_ATTR in sub.__dict__ or isinstance(sub, FullyShardedDataParallel) else
+                "torch DistributedDataParallel" if isinstance(sub, DistributedDataParallel) else
+                "torch FullyShardedDataParallel (FSDP1)" if isinstance(sub, TorchFSDP) else
+                "torch fully_shard (FSDP2)" if fsdp2 else None)
+        if kind:
+            where = f"its submodule {name!r}" if name else type(module).__name__
+            raise ValueError(f"{where} is already wrapped by {kind}; pass the plain model: accel_flatshard shards it "
+                             "itself, once")

@@ -154,15 +154,15 @@ def test_refuses_models_wrapped_by_torch():
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.nn.parallel import DistributedDataParallel
 
-    from accel_flatshard.integrations.accelerate import _check_not_wrapped_elsewhere
+    from accel_flatshard.fully_sharded import check_not_wrapped
 
     for cls, word in ((TorchFSDP, "FSDP1"), (DistributedDataParallel, "DistributedDataParallel")):
         fake = cls.__new__(cls)  # isinstance is all the check needs; building either needs a process group
         nn.Module.__init__(fake)
         outer = nn.Sequential(nn.Linear(2, 2), fake)
         with pytest.raises(ValueError, match=f"submodule '1' is already wrapped by .*{word}"):
-            _check_not_wrapped_elsewhere(outer)
-    _check_not_wrapped_elsewhere(gpt2())  # a plain model passes
+            check_not_wrapped(outer)
+    check_not_wrapped(gpt2())  # a plain model passes
 
 
 def test_yaml_configs_load_and_map(fsdp_env):

@@ -40,7 +40,7 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 
 from .. import options, patches
 from ..compilation import compile_model
-from ..fully_sharded import FullyShardedDataParallel
+from ..fully_sharded import FullyShardedDataParallel, check_not_wrapped
 from ..grad_norm import clip_grad_norm_, scale_by_clip_coefficient
 from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
@@ -183,7 +183,7 @@ class Accelerator(_BaseAccelerator):
             self._models.append(model)
             model._is_accelerate_prepared = True
             return model
-        _check_not_wrapped_elsewhere(model)
+        check_not_wrapped(model)
         policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
         skeleton = None
@@ -357,21 +357,6 @@ def _refuse_unsharded_launch(state: Any) -> None:
             "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
             "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs"
         )
-
-
-def _check_not_wrapped_elsewhere(model: nn.Module) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.nn.parallel import DistributedDataParallel
-
-    for name, sub in model.named_modules():
-        kind = ("torch DistributedDataParallel" if isinstance(sub, DistributedDataParallel) else
-                "torch FullyShardedDataParallel (FSDP1)" if isinstance(sub, TorchFSDP) else
-                "torch fully_shard (FSDP2)" if type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard") else
-                "accel_flatshard (nested)" if isinstance(sub, FullyShardedDataParallel) else None)
-        if kind:
-            where = f"its submodule {name!r} is" if name else "it is"
-            raise ValueError(f"accelerator.prepare got a model but {where} already wrapped by {kind}; pass the plain "
-                             "model: accel_flatshard shards it itself under the FSDP config")
 
 
 def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
