@@ -73,7 +73,7 @@ class FlatShardOptions:
         if self.wrap == "transformer":
             return transformer_auto_wrap_policy(model, self.layer_cls_names)
         if self.wrap == "size":
-            return _size_policy_without_containers(self.min_num_params) if self.min_num_params > 0 else None
+            return size_based_auto_wrap_policy(self.min_num_params) if self.min_num_params > 0 else None
         if self.wrap == "custom":
             return self.custom_policy
         return None
@@ -90,24 +90,6 @@ class FlatShardOptions:
             limit_all_gathers=self.limit_all_gathers,
             cpu_offload=CPUOffload(offload_params=self.offload_params),
         )
-
-
-def _size_policy_without_containers(min_num_params: int) -> Policy:
-    """Size-based wrapping that never makes a unit of ``nn.ModuleList`` / ``nn.ModuleDict``.
-
-    Containers have no forward, so a unit made of one would never gather its parameters; torch's size
-    policy (what accelerate uses for SIZE_BASED_WRAP) excludes them the same way (``exclude_wrap_modules``).
-    """
-    base = size_based_auto_wrap_policy(min_num_params)
-
-    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        if recurse:
-            return True
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return False
-        return base(module=module, recurse=False, nonwrapped_numel=nonwrapped_numel)
-
-    return policy
 
 
 def options_from_plugin(
