@@ -65,3 +65,37 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def fake_world(world_size: int, backend: str) -> Any:
+    """A context in which torch.distributed is a fresh world of ``world_size`` fake ranks (this process rank 0;
+    collectives do nothing), its groups named ``backend`` (e.g. ``fake_gloo``: comm.py picks collectives by the
+    name).  The caller's own world, if any, is set aside meanwhile and comes back untouched: c10d's tables (its
+    ``_world`` extension point and the module's maps) are swapped, and the fake groups get names of their own."""
+    import contextlib
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+
+    if backend not in dist.Backend.backend_list:
+        dist.Backend.register_backend(backend, _create_fake_pg, extended_api=True, devices=["cpu", "cuda"])
+    tables = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+
+    @contextlib.contextmanager
+    def world() -> Any:
+        saved = {name: getattr(c10d, name) for name in tables + ("_group_count", "_world")}
+        for name in tables:
+            setattr(c10d, name, copy.copy(saved[name]))
+            getattr(c10d, name).clear()
+        c10d._world, c10d._group_count = c10d._World(), 10**9 + saved["_group_count"]  # (names of its own)
+        try:
+            dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
+            yield
+        finally:
+            for name in c10d._pg_names.values():
+                c10d._unregister_process_group(name)
+            for name, value in saved.items():
+                setattr(c10d, name, value)
+    return world()

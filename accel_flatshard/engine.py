@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional
 
@@ -43,6 +44,10 @@ from .flat_param import FlatParameter
 from .offload import HostOffload
 from .profiler import span
 
+
+# The adapter factory for engines made meanwhile (None: by the device); the memory planner runs the real wrapper
+# with an adapter that records memory (plan/run.py)
+ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", default=None)
 
 # FSDP2 gives its all-gather / reduce-scatter streams high priority so that communication kernels are
 # scheduled ahead of queued compute kernels (lower number = higher priority).
@@ -206,8 +211,9 @@ class Engine:
     ) -> None:
         self.group = group
         self.device = device
-        if streams is None:  # (the tests pass a simulated adapter)
-            streams = CudaStreams(device) if device.type == "cuda" else HostAdapter(device)
+        if streams is None:  # (the tests pass a simulated adapter; the memory planner sets ADAPTER)
+            streams = ADAPTER.get()(device) if ADAPTER.get() else CudaStreams(device) if device.type == "cuda" \
+                else HostAdapter(device)
         self.streams = streams
         self.use_streams = self.streams.stream_ordered
         self.reduce_dtype = reduce_dtype

@@ -144,6 +144,21 @@ def test_planner_cuda_model_matches_the_simulators_device_peak():
     _check(SIMULATED, measured, "simulated CUDA")
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_the_plan_follows_a_flipped_schedule_rule(monkeypatch):
+    """The planner runs the wrapper's own Schedule and Engine (issue 33): with one rule of the schedule flipped
+    (backward prefetch gathers nothing), the plan moves with it, to the real step's peak under the same flip;
+    a planner with rules of its own would still predict the unflipped peak, and fail here."""
+    from accel_flatshard import fully_sharded
+
+    r = row("llama", 1, "FULL_SHARD, prefetch BACKWARD_PRE", forward_prefetch=False)
+    before = r.planner().predict(r.cfg).peak_bytes
+    monkeypatch.setattr(fully_sharded.Schedule, "_prefetch_before", lambda self, unit: None)
+    flipped, measured = r.planner().predict(r.cfg).peak_bytes, measure(r)
+    assert abs(flipped - measured) <= TOLERANCE * measured and abs(before - measured) > TOLERANCE * measured, \
+        (before, flipped, measured)
+
+
 # ---------------------------------------------------------------------- the README path, under accelerate launch
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):

@@ -49,7 +49,8 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
         try:
             config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"--model {spec}: no module:function, no Hugging Face config here or cached ({exc})") from None
+            raise ValueError(f"--model {spec}: no module:function, no Hugging Face config here or cached "
+                             f"({exc})") from None
 
         def factory() -> nn.Module:
             try:
@@ -69,15 +70,16 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
     """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
     pred, W = planner.predict(cfg), planner.world_size
-    saved = lambda ac, mb: max(e[3] for e in planner.trace(ac, mb).events if e[0] == "fwd_end")  # noqa: E731
+    other = planner.predict(dataclasses.replace(cfg, checkpointing=not cfg.checkpointing))  # (for the comparison)
     steps = planner.batch_size // cfg.micro_batch
     out: Dict[str, Any] = {
         "model": f"{planner.class_name}, {planner.numel / 1e6:,.2f} M parameters in {len(planner.names)} units "
                  f"({', '.join(planner.names[:3])}{', ..., ' + planner.names[-1] if len(planner.names) > 3 else ''})",
-        "config": f"{cfg.describe(W)}{f' x {steps} accumulation steps' if steps > 1 else ''}; {W} ranks, compute in {str(planner.param_dtype or 'torch.float32')[6:]}, "
+        "config": f"{cfg.describe(W)}{f' x {steps} accumulation steps' if steps > 1 else ''}; {W} ranks, compute in "
+                  f"{str(planner.param_dtype or 'torch.float32')[6:]}, "
                   f"{planner.device}", "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
-        "activations_saved_for_backward": {"without_checkpointing": saved(False, cfg.micro_batch),
-                                           "with_checkpointing": saved(True, cfg.micro_batch)}}
+        "activations_saved_for_backward": {"without_checkpointing": (other if cfg.checkpointing else pred).saved,
+                                           "with_checkpointing": (pred if cfg.checkpointing else other).saved}}
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
@@ -91,7 +93,7 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         # forward at this micro-batch (a bound for generation's activations and KV cache)
         best, parts = rows[0][0], rows[0][1].parts
         kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
-        budget = device_memory - kept - saved(best.checkpointing, best.micro_batch)
+        budget = device_memory - kept - rows[0][1].saved
         whole = sum(f.gathered for u in planner.layout(best.shard_size) for f in u)
         out["recommended"] = settings(best, W, planner.batch_size) + [
             f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
@@ -103,10 +105,12 @@ def print_report(out: Dict[str, Any]) -> None:
     mib, saved = (lambda n: f"{n / 2**20:,.1f}"), out["activations_saved_for_backward"]
     print(f"{out['model']}\n{out['config']}\n{'per rank':<40}{'MiB':>10}")
     for name, value in out["at_peak"].items():
-        print(f"  {name + ('' if name in ('parameter shards', 'optimizer state', 'module buffers') else ' at the peak'):<38}"
+        kept = name in ('parameter shards', 'optimizer state', 'module buffers')
+        print(f"  {name + ('' if kept else ' at the peak'):<38}"
               f"{mib(value):>10}")
     print(f"  {'activations saved for backward':<38}{mib(saved['without_checkpointing']):>10}   (with activation "
-          f"checkpointing: {mib(saved['with_checkpointing'])})\n{'peak':<40}{mib(out['peak_bytes']):>10}   in the {out['where']}")
+          f"checkpointing: {mib(saved['with_checkpointing'])})\n{'peak':<40}{mib(out['peak_bytes']):>10}   in the "
+          f"{out['where']}")
     if "fits" in out:
         print(f"\nconfigurations that fit in {mib(out['device_memory'])} MiB, expected fastest first:" +
               ("" if out["fits"] else " none (more ranks, a shorter sequence or a smaller model)"))
@@ -114,7 +118,8 @@ def print_report(out: Dict[str, Any]) -> None:
         print(f"  {'*' if i == 0 else ' '} {r['description']}: {mib(r['peak_bytes'])} MiB, step time "
               f"{r['step_time_s'] / out['fits'][0]['step_time_s']:.2f}x")
     if out.get("recommended"):
-        print("to run the expected fastest (*), set:\n  " + "\n  ".join(out["recommended"]) + f"\nstep time: {out['cost_model']}")
+        print("to run the expected fastest (*), set:\n  " + "\n  ".join(out["recommended"]) +
+              f"\nstep time: {out['cost_model']}")
 
 
 def build_parser() -> argparse.ArgumentParser:

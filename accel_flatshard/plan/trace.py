@@ -1,10 +1,11 @@
-"""The planner's fake run (``Planner.trace``): the dispatch mode that records the live bytes after every op and
-the marks between them (:class:`_Trace`), the engine's view handling per unit with those marks (:func:`_mark_unit`),
-what lets a real run's ops run on fake tensors (an ``aten._grouped_mm`` fallback; a batch's attention masks run
-for real) and the error that names the op that could not (:func:`_why_fake_failed`).
+"""The planner's measurement (plan/run.py): the dispatch mode that counts the device's bytes in use after every
+op (:class:`_Trace`, with what the engine's device adapter notes), what lets a real run's ops run on fake tensors
+(an ``aten._grouped_mm`` fallback; a batch's attention masks run for real) and the error that names the op that
+could not (:func:`_why_fake_failed`).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -12,21 +13,32 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .._compat import TorchDispatchMode, inside_backward_pass, outside_dispatch_modes, tensors_in
-from ..flat_param import FlatParameter
+from .._compat import TorchDispatchMode, outside_dispatch_modes, tensors_in
 
 
 class _Trace(TorchDispatchMode):
-    """Bytes of the storages alive after every op (``samples``; storages of ``known`` tensors excluded) and
-    marks between ops (``events``: ``(kind, unit, sample index, live bytes[, flat parameter index])``)."""
+    """The device's bytes in use after every op (``live``; ``peak`` and ``on_peak`` when it passes the highest
+    so far): the storages ops make (less ``known``'s and, on CUDA, those in host memory), counted by ``kind`` (that
+    of the phase that made them, or :meth:`relabel`), plus what the engine's device adapter notes (plan/run.py): the
+    gathered buffers, which are resized and not made by ops, and on CUDA the blocks a ``record_stream`` keeps
+    until the host synchronised on an event recorded after their free (the GPU lags arbitrarily behind the host)."""
 
-    def __init__(self, known: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, known: Sequence[torch.Tensor] = (), cuda: bool = False) -> None:
         super().__init__()
-        self.known = {t.untyped_storage()._cdata for t in known}
-        self.live, self.samples, self.events = 0, [], []
+        self.known = {_key(t) for t in known}
+        self.cuda, self.kind = cuda, "activations"
+        self.storages: Dict[int, List[Any]] = {}  # key -> [bytes, kind], on the device
+        self.kinds: Dict[str, int] = collections.Counter()
+        self.host: set = set()  # storage keys in host memory (CUDA offload): not counted
+        self.recorded: set = set()  # storage keys a record_stream keeps past their free
+        self.gathered: Dict[Any, int] = {}  # the engine's key -> bytes
+        self.lingering: List[Tuple[int, int, str]] = []  # (first event number that covers it, bytes, kind)
+        self.events = 0
+        self.live, self.peak = 0, 0
+        self.on_peak: Optional[Callable[[], None]] = None
         self.failed: Any = None  # the first op that raised (named in the planner's error)
         self.real: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a real tensor: ops on
-        # these alone run for real (Planner.trace)
+        # these alone run for real (run.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs, kwargs = tensors_in((args, kwargs)), kwargs or {}
@@ -39,11 +51,15 @@ class _Trace(TorchDispatchMode):
                 out = _grouped_mm_out(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
+            # CUDA: an op of host tensors alone runs on the host (the offloaded optimizer step)
+            self.hold(tensors_in(out), on_host=self.cuda and bool(inputs) and all(_key(t) in self.host for t in inputs))
         except Exception:
             self.failed = self.failed or func
             raise
-        self.hold(tensors_in(out))
-        self.samples.append(self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.on_peak is not None:
+                self.on_peak()
         return out
 
     def add_real(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -52,27 +68,75 @@ class _Trace(TorchDispatchMode):
     def is_real(self, tensor: torch.Tensor) -> bool:
         return self.real.get(id(tensor)) is tensor
 
-    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Count the storages of ``tensors`` as live until they die (an op's outputs, or inputs made outside)."""
+    def hold(self, tensors: Sequence[torch.Tensor], on_host: bool = False) -> None:
+        """Count the storages of ``tensors`` until they die (an op's outputs, or tensors made outside)."""
         for t in tensors:
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
-            if nbytes and key not in self.known:
-                self.known.add(key)
-                self.live += nbytes
-                weakref.finalize(storage, self._died, key, nbytes)
+            if isinstance(nbytes, torch.SymInt):  # (fake tensors with symbolic scalars: a size from the values)
+                raise _SizeFromValues()
+            if nbytes and key not in self.known and key not in self.host and key not in self.storages:
+                if on_host:
+                    self.host.add(key)
+                else:
+                    self._add(nbytes, self.kind)
+                    self.storages[key] = [nbytes, self.kind]
+                weakref.finalize(storage, self._died, key)
 
-    def _died(self, key: int, nbytes: int) -> None:
-        self.known.discard(key)
-        self.live -= nbytes
+    def _add(self, nbytes: int, kind: str) -> None:
+        self.kinds[kind] += nbytes
+        self.live += nbytes
 
-    def mark(self, kind: str, unit: int, *flat: int) -> None:
-        self.events.append((kind, unit, len(self.samples), self.live, *flat))
+    def _died(self, key: int) -> None:
+        self.host.discard(key)
+        self._free(key, *self.storages.pop(key, (0, self.kind)))
 
-    def pieces(self) -> List[List[int]]:
-        """The samples between each event and the next."""
-        bounds = [e[2] for e in self.events] + [len(self.samples)]
-        return [self.samples[a:b] for a, b in zip(bounds, bounds[1:])]
+    def _free(self, key: int, nbytes: int, kind: str) -> None:
+        if key in self.recorded:  # reusable once the host waits for an event recorded from now on
+            self.recorded.discard(key)
+            self.lingering.append((self.events, nbytes, kind))
+        else:
+            self._add(-nbytes, kind)
+
+    def relabel(self, tensor: Optional[torch.Tensor], kind: str) -> None:
+        entry = self.storages.get(_key(tensor)) if tensor is not None else None
+        if entry is not None and entry[1] != kind:
+            self.kinds[entry[1]] -= entry[0]
+            self.kinds[kind] += entry[0]
+            entry[1] = kind
+
+    def place_on_host(self, tensor: torch.Tensor) -> None:
+        key = _key(tensor)
+        if key not in self.storages:  # (made outside the trace)
+            weakref.finalize(tensor.untyped_storage(), self._died, key)
+        nbytes, kind = self.storages.pop(key, (0, self.kind))
+        self._add(-nbytes, kind)
+        self.host.add(key)
+
+    # the device adapter's notes (plan/run.py)
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
+        if kind == "unsharded":
+            self.gathered[key] = tensor.untyped_storage().nbytes()
+            self._add(self.gathered[key], "gathered units")
+        else:  # a full gradient cast for its reduction
+            self.relabel(tensor, "full gradients")
+
+    def note_free(self, key: Any, storage_key: int) -> None:
+        self._free(storage_key, self.gathered.pop(key, 0), "gathered units")
+
+    def synchronized(self, event: int) -> None:
+        """The host waited for an event: the blocks freed before it was recorded are reusable."""
+        for entry in [e for e in self.lingering if e[0] <= event]:
+            self.lingering.remove(entry)
+            self._add(-entry[1], entry[2])
+
+
+class _SizeFromValues(Exception):
+    pass
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
 
 
 def _needs_grouped_mm_fallback(func: Any, args: Sequence[Any]) -> bool:
@@ -100,12 +164,13 @@ def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tenso
 def _why_fake_failed(op: Any, exc: Exception) -> str:
     """The op that did not run on fake tensors, and why (fake tensors have shapes and dtypes, no values)."""
     kind = type(exc).__name__
-    if kind == "DynamicOutputShapeException":
+    if kind in ("DynamicOutputShapeException", "_SizeFromValues"):
         why = (f"{op}'s output shape depends on the tensor values (as nonzero, masked_select, unique do), which fake "
                "tensors do not have: the memory depends on the data (a transformers MoE model on its eager experts "
                "path loops over the experts hit: experts_implementation='grouped_mm', its default, plans)")
-    elif kind == "DataDependentOutputException":
-        why = f"{op} reads tensor values (.item(), bool(tensor), Python branching on them), which fake tensors do not have"
+    elif kind in ("DataDependentOutputException", "GuardOnDataDependentSymNode"):
+        why = (f"{op} reads tensor values (.item(), bool(tensor), Python branching on them), which fake tensors do "
+               "not have")
     elif op is not None:
         why = f"{op}'s fake (meta) kernel refused these inputs, though the op may run for real: {exc}"
     else:
@@ -120,58 +185,6 @@ def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> 
         new = convert(t)
         memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
     return copy.deepcopy(model, memo)
-
-
-def _mark_unit(trace: _Trace, index: int, module: nn.Module, flats: List[FlatParameter]) -> None:
-    """The engine's view handling for one unit (``unit.py``: views of the flat buffer installed for its forward
-    and again, with grad, from its backward's start; one flat gradient per flat parameter, so autograd runs
-    the same nodes in the same order), with marks: forward (or recomputation), the start of backward (the
-    first gradient at an output), each flat gradient (dropped there: the replay holds it) and the end of
-    the unit's backward (its last gradient; a frozen unit: its inputs' gradients, the reshard-only hook)."""
-    trainable, arrived = [f for f in flats if f.requires_grad], []
-
-    def views(installed: bool) -> None:
-        for f in flats:
-            f.install_views(f.unsharded_views()) if installed else f.uninstall_views()
-
-    def done(*_: Any) -> None:
-        views(False)
-        trace.mark("done", index)
-
-    def pre(mod: nn.Module, args: Any) -> None:
-        recompute = inside_backward_pass()
-        trace.mark("recompute" if recompute else "fwd", index)
-        if not recompute:
-            views(True)
-
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
-        if inside_backward_pass():
-            return
-        views(False)
-        trace.mark("fwd_end", index)
-        outs, ins = [t for t in tensors_in(out) if t.requires_grad], [t for t in tensors_in(args) if t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, backward, mode="any")
-        if flats and not trainable and ins:
-            torch.autograd.graph.register_multi_grad_hook(ins, done)
-
-    def backward(grad: Any) -> None:
-        trace.mark("bwd", index)
-        with torch.enable_grad():
-            views(True)
-
-    def grad_arrived(flat: FlatParameter) -> None:
-        flat.unsharded.grad = None
-        trace.mark("grad", index, flats.index(flat))
-        arrived.append(flat)
-        if len(arrived) == len(trainable):
-            arrived.clear()
-            done()
-
-    module.register_forward_pre_hook(pre, prepend=True)
-    module.register_forward_hook(post)
-    for f in trainable:
-        f.unsharded.register_post_accumulate_grad_hook(lambda t, f=f: grad_arrived(f))
 
 
 def _as_call(batch: Any) -> Tuple[tuple, dict]:

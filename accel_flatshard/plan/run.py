@@ -1,0 +1,201 @@
+"""The planner's step (``Planner.predict``): the real wrapper, its Schedule and Engine unchanged, trains the
+model for two steps on fake tensors over a fake process group of the planned size (this process is rank 0, the
+fullest shard), with a device adapter that records memory where the real one moves it (``engine.ADAPTER``).
+So every decision of the schedule (what is gathered, prefetched, kept, reduced, freed, and when) is the
+engine's own; nothing of it is restated here.
+
+Adapters: ``"cpu"`` is gloo (point-to-point collectives, no streams: a buffer is free once dropped); ``"cuda"``
+is the real CUDA adapter over streams and events that are numbers: the GPU lags arbitrarily behind the host, so a
+block kept by ``record_stream`` is reusable only once the host synchronised on an event recorded after its free,
+and with offload the host's buffers (and what ops make of host tensors alone: the optimizer step) are not device
+memory.  The last step is measured (optimizer state exists, prefetch follows the recorded order); its
+micro-steps after the second repeat the second, so at most two run.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from .._compat import fake_mode_with_scalars, fake_world, map_tensors
+from ..engine import ADAPTER, CudaStreams, HostAdapter
+from ..fully_sharded import FullyShardedDataParallel
+from ..unit import BackwardPrefetch, UnitState
+from ..wrap import checkpoint_units
+from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
+
+@dataclasses.dataclass
+class Prediction:
+    peak_bytes: int
+    where: str  # e.g. "backward of model.layers.3"
+    parts: Dict[str, int]  # what is held at the peak, by kind
+    saved: int = 0  # activations (and inputs) held at the end of the forward, for backward
+
+
+class _Recording:
+    """The engine's lifetime notes (gathered buffers, full gradients) go to the trace."""
+
+    trace: _Trace
+
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
+        self.trace.note_alloc(tensor, kind, key)
+
+    def note_free(self, key: Any) -> None:
+        self.trace.note_free(key, key.unsharded.untyped_storage()._cdata)
+
+
+class _Gloo(_Recording, HostAdapter):
+    def __init__(self, device: torch.device, trace: _Trace) -> None:
+        super().__init__(device)
+        self.trace = trace
+
+
+class _Numbered:
+    """A stream or event of :class:`_Cuda` (the functions ``CudaStreams`` calls)."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self.trace, self.number = trace, -1
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    wait_stream = wait_event
+
+    def record(self, stream: Any = None) -> None:
+        self.number, self.trace.events = self.trace.events, self.trace.events + 1
+
+    def synchronize(self) -> None:
+        self.trace.synchronized(self.number)
+
+
+class _Cuda(_Recording, CudaStreams):
+    """``CudaStreams`` with itself as ``torch.cuda``; host buffers and copies as on a GPU."""
+
+    def __init__(self, device: torch.device, trace: _Trace) -> None:
+        self.trace, self.compute = trace, _Numbered(trace)
+        super().__init__(device, api=self)
+
+    def current_stream(self, device: Any = None) -> _Numbered:
+        return self.compute
+
+    def Stream(self, *args: Any, **kwargs: Any) -> _Numbered:  # noqa: N802 - torch.cuda's names
+        return _Numbered(self.trace)
+
+    Event = Stream
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.trace.recorded.add(tensor.untyped_storage()._cdata)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype)
+        self.trace.place_on_host(tensor)
+        return tensor
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty(host.shape, dtype=host.dtype).copy_(host)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(src)
+
+
+PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffers", "gathered units", "full gradients",
+         "activations", "optimizer step")  # what is held at the peak, by kind (activations: and transient buffers)
+
+
+def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
+    """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where."""
+    cuda = planner.device == "cuda"
+    trace = _Trace(cuda=cuda)
+    options = dataclasses.replace(
+        planner.options, reshard_after_forward=cfg.reshard_after_forward, forward_prefetch=cfg.forward_prefetch,
+        fsdp_group_size=cfg.shard_size if cfg.shard_size < planner.world_size else None, sync_module_states=False,
+        backward_prefetch=BackwardPrefetch[cfg.backward_prefetch] if cfg.backward_prefetch else None,
+        limit_all_gathers=cfg.limit_all_gathers, activation_checkpointing=cfg.checkpointing, offload_params=cfg.offload)
+    real = _as_call(planner.make_batch(cfg.micro_batch))  # (held through the step, as by the caller)
+    trace.add_real([v for k, v in real[1].items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)
+                    and not v.is_floating_point()])
+    best = Prediction(0, "", {})
+    adapter = ADAPTER.set(lambda device: (_Cuda if cuda else _Gloo)(device, trace))
+    try:
+        meta = planner.build()
+        with fake_world(planner.world_size, "fake_nccl_gloo" if cuda else "fake_gloo"), fake_mode_with_scalars(), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
+            model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=options.auto_wrap_policy(model),
+                                               device_id="cpu", **options.wrapper_kwargs())
+            if cfg.checkpointing:
+                checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
+            trace.known.update(f.unsharded.untyped_storage()._cdata for f in wrapped.flat_params)
+            trace.hold([f.local_shard for f in wrapped.flat_params] + list(wrapped.buffers()))
+            foreach = {"foreach": cuda} if "foreach" in inspect.signature(planner.optimizer).parameters else {}
+            optimizer = planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
+            with trace:
+                _step(planner, cfg, wrapped, optimizer, trace, real, 1)
+                micro_steps = min(planner.batch_size // cfg.micro_batch, 2)
+                _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, best)
+    except Exception as exc:  # noqa: BLE001 - named for the user: the model, the op, and why fake tensors failed
+        raise ValueError(f"{planner.class_name}'s training step did not run on fake tensors: "
+                         f"{_why_fake_failed(trace.failed, exc)}") from exc
+    finally:
+        ADAPTER.reset(adapter)
+    return best
+
+
+def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer,
+          trace: _Trace, batch: Any, micro_steps: int, best: Optional[Prediction] = None) -> None:
+    """One optimizer step of ``micro_steps`` forwards and backwards (``best``: measured into it)."""
+    if best is not None:  # what persists is known by now
+        for tensor, kind in [(f.local_shard, "parameter shards") for f in wrapped.flat_params] + [
+                (b, "module buffers") for b in wrapped.buffers()] + [
+                (t, "optimizer state") for state in optimizer.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]:
+            trace.relabel(tensor, kind)
+        trace.peak, trace.on_peak = 0, lambda: _held(trace, wrapped, best)
+        saved = wrapped.register_forward_hook(lambda *_: setattr(best, "saved", max(best.saved,
+                                                                                     trace.kinds["activations"])))
+    for i in range(micro_steps):
+        quiet = cfg.accumulation == "no_sync" and i < micro_steps - 1
+        with wrapped.no_sync() if quiet else contextlib.nullcontext():
+            args, kwargs = map_tensors(lambda t: t if trace.is_real(t) else torch.empty_like(t), batch)
+            with torch.autocast("cpu", planner.param_dtype or torch.bfloat16, enabled=planner.autocast):
+                out = wrapped(*args, **kwargs)  # (the inputs live through the micro-step, as the caller's)
+            if planner.autocast:  # accelerate's convert_outputs_to_fp32
+                from accelerate.utils import convert_to_fp32
+                out = convert_to_fp32(out)
+            loss = _loss_of(out)
+            del out
+            loss.backward()
+            del loss
+    trace.kind = "optimizer step"
+    optimizer.step()
+    optimizer.zero_grad()
+    trace.kind = "activations"
+    if best is not None:
+        saved.remove()
+
+
+def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) -> None:
+    """A new peak: what is held, by kind, and where the step is."""
+    for f in wrapped.flat_params:
+        trace.relabel(f.sharded_grad, "gradient shards")
+        trace.relabel(f.unsharded.grad, "full gradients")
+    best.peak_bytes, best.parts = trace.peak, {kind: trace.kinds[kind] for kind in PARTS}
+    schedule = wrapped._schedule
+    units = [u for u in (schedule.recorded_order or schedule.units) if not u.is_root]
+    if trace.kind == "optimizer step":
+        best.where = trace.kind
+    elif schedule.in_backward:
+        busy = [u for u in units if u.state is UnitState.BACKWARD]
+        done = all(u.state is UnitState.BACKWARD_DONE for u in units)
+        best.where = f"backward of {busy[0].name}" if busy else "end of backward" if done else "backward of <root>"
+    else:
+        busy = [u for u in units if u.state is UnitState.FORWARD]
+        best.where = f"forward of {busy[-1].name if busy else '<root>'}"
