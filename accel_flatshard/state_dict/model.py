@@ -66,7 +66,8 @@ class ShardedModuleRecord:
         self.world_size, self.world_rank = group.world_size, group.world_rank
         # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
         # group and has no peers to wait for: no rendezvous there
-        self.gloo_group = comm.new_gloo_group(group.world_group) if self.world_size > 1 and group.backend != "fake" else None
+        real = self.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
+        self.gloo_group = comm.new_gloo_group(group.world_group) if real else None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
