@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping over sharded gradients."""
+"""Global gradient-norm clipping over sharded gradients (of one wrapped model, or of several together)."""
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Tuple, Union
@@ -21,7 +21,9 @@ def clip_grad_norm_(
     Gradients of wrapped parameters are 1/W shards: their contributions are summed over the shard
     group (replicas of hybrid sharding hold the same shard and are counted once).  Gradients of
     parameters that are not sharded are full copies on every rank and are counted once too.  The
-    result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+    result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.  Parameters of several wrapped
+    models (each with its own shard group) give the norm over all of them: each model's part is reduced over its
+    own group, then the parts are combined; collective over every group involved, in the order they appear.
 
     Example::
 
@@ -29,37 +31,33 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None or getattr(p, "_flatshard_group", None) is not None]
-    if group is None:
-        groups = {id(g): g for g in (getattr(p, "_flatshard_group", None) for p in params) if g is not None}
-        if len(groups) > 1:
-            raise ValueError("parameters of several separately wrapped models: clip each model on its own")
-        group = next(iter(groups.values()), None)
     norm_type = float(norm_type)
-    sharded: List[torch.Tensor] = []  # one pass per step over the parameters: sharded or replicated
-    replicated: List[torch.Tensor] = []
-    for p in params:
-        if p.grad is not None:
-            (sharded if getattr(p, "_flatshard_group", None) is not None else replicated).append(p.grad)
-    # the norm is all-reduced on the model's device (``device``, else the group's): under offload the gradients
-    # are on the host, and "the current CUDA device" is cuda:0 when a script moved the model without set_device
-    device = (device or (group.device if group is not None else None)
-              or next((g.device for g in sharded + replicated), torch.device("cpu")))
     is_inf = norm_type == float("inf")
-    local_sharded = _partial_norm(sharded, norm_type, device)
-    local_replicated = _partial_norm(replicated, norm_type, device)
-    if group is None:
-        total = local_sharded + local_replicated if not is_inf else torch.maximum(local_sharded, local_replicated)
-    elif is_inf:
-        total = torch.maximum(local_sharded, local_replicated)
-        group.all_reduce_shard_group(total, op=dist.ReduceOp.MAX)
-    else:
-        # replicated grads are identical on every rank: let shard rank 0 contribute them once
-        total = local_sharded + (local_replicated if group.shard_rank == 0 else torch.zeros_like(local_replicated))
-        group.all_reduce_shard_group(total)
-    total_norm = total if is_inf else total ** (1.0 / norm_type)
-    scale_by_clip_coefficient(sharded + replicated, max_norm, total_norm)
-    return total_norm.to(torch.float32)
+    groups: Dict[int, Tuple[ShardGroup, List[torch.Tensor]]] = {}  # shard group -> its gradients (this rank's)
+    replicated: List[torch.Tensor] = []  # one pass per step over the parameters: sharded or replicated
+    for p in parameters:
+        owner = getattr(p, "_flatshard_group", None)
+        if owner is not None:  # (without a gradient too: its group's all-reduce runs on every rank)
+            owner = group or owner
+            grads = groups.setdefault(id(owner), (owner, []))[1]
+            if p.grad is not None:
+                grads.append(p.grad)
+        elif p.grad is not None:
+            replicated.append(p.grad)
+    every = [g for _, grads in groups.values() for g in grads] + replicated
+    # each part is all-reduced on its model's device (``device``, else the group's): under offload the gradients
+    # are on the host, and "the current CUDA device" is cuda:0 when a script moved the model without set_device
+    parts = [_partial_norm(replicated, norm_type, device or next((g.device for g in every), torch.device("cpu")))]
+    for index, (owner, grads) in enumerate(groups.values()):
+        part = _partial_norm(grads, norm_type, device or owner.device)
+        if index == 0:  # replicated gradients are identical on every rank: the first group's shard rank 0 adds them
+            replicated_part = parts.pop().to(part.device)
+            part = torch.maximum(part, replicated_part) if is_inf else part + replicated_part * (owner.shard_rank == 0)
+        parts.append(owner.all_reduce_shard_group(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM))
+    parts = [t.to(parts[0].device) for t in parts]
+    total = torch.stack(parts).max() if is_inf else torch.stack(parts).sum() ** (1.0 / norm_type)
+    scale_by_clip_coefficient(every, max_norm, total)
+    return total.to(torch.float32)
 
 
 def scale_by_clip_coefficient(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -8,8 +8,7 @@ model, both prepared, both sharded, the frozen one without gradient memory.
 import pytest
 import torch
 
-from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.integrations.accelerate import clip_grad_norm_over_models
+from accel_flatshard import FullyShardedDataParallel, clip_grad_norm_, transformer_auto_wrap_policy
 from dist_helpers import spawn
 from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch, max_abs_diff, read_json
 from models import batches, global_mean, llama
@@ -41,7 +40,7 @@ def _interleaved_steps(a, b, rank, world_size, clip=None):
 
 def _interleaved_worker(rank, world_size):
     a, b = _wrap(llama(seed=0)), _wrap(llama(seed=1))
-    return _interleaved_steps(a, b, rank, world_size, clip=clip_grad_norm_over_models)
+    return _interleaved_steps(a, b, rank, world_size, clip=clip_grad_norm_)
 
 
 def test_two_models_interleaved_with_one_clip_over_both_match_single_process():

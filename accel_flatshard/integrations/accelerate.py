@@ -27,7 +27,7 @@ import inspect
 import logging
 import warnings
 from types import MethodType
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import accelerate
 import accelerate.accelerator
@@ -41,7 +41,7 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 from .. import options, patches
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel, check_not_wrapped
-from ..grad_norm import clip_grad_norm_, scale_by_clip_coefficient
+from ..grad_norm import clip_grad_norm_
 from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
 from . import state_io
@@ -53,7 +53,7 @@ from .config import requested_parallelism_config, use_cpu_state_for_launch
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 
-__all__ = ["Accelerator", "register", "register_for_launch_without_runner", "clip_grad_norm_over_models"]
+__all__ = ["Accelerator", "register", "register_for_launch_without_runner"]
 
 
 class Accelerator(_BaseAccelerator):
@@ -254,7 +254,7 @@ class Accelerator(_BaseAccelerator):
                     return model.clip_grad_norm_(max_norm, norm_type)
         # a subset (e.g. one param group) or parameters of several models: still one global norm over
         # every rank's shards of all of them
-        return clip_grad_norm_over_models(params, max_norm, norm_type)
+        return clip_grad_norm_(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
         """Elementwise, so clipping each rank's shard is exact (accelerate refuses this for torch FSDP)."""
@@ -357,31 +357,6 @@ def _refuse_unsharded_launch(state: Any) -> None:
             "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
             "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs"
         )
-
-
-def clip_grad_norm_over_models(params: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip ``params`` (from one or several wrapped models, each with its own engine and shard group, and
-    unwrapped ones) by their global norm, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded models would.
-
-    Each model's contribution is its global norm over its own shard group (computed without changing any
-    gradient: max_norm=inf scales by exactly 1); the norms are combined, then every gradient is scaled by the
-    same coefficient.  Returns the total norm.  Collective over every model's group.
-    """
-    by_group: Dict[int, List[torch.Tensor]] = {}
-    unsharded: List[torch.Tensor] = []
-    for p in params:
-        group = getattr(p, "_flatshard_group", None)
-        (unsharded if group is None else by_group.setdefault(id(group), [])).append(p)
-    if len(by_group) <= 1:
-        return clip_grad_norm_(params, max_norm, norm_type)
-    norm_type = float(norm_type)
-    # unsharded parameters (full copies on every rank) are counted once, with the first model's
-    parts = list(by_group.values())
-    parts[0] = parts[0] + unsharded
-    norms = torch.stack([clip_grad_norm_(part, float("inf"), norm_type).double() for part in parts])
-    total = norms.max() if norm_type == float("inf") else (norms ** norm_type).sum() ** (1.0 / norm_type)
-    scale_by_clip_coefficient([p.grad for p in params if p.grad is not None], max_norm, total)
-    return total.to(torch.float32)
 
 
 def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
