@@ -27,13 +27,14 @@ Storage held by a :class:`FlatParameter` (per rank):
 * ``sharded_grad`` - this rank's slice of the reduced gradient, in the parameters' dtype; each
   original parameter's ``.grad`` is a view of its part.
 
-No process group is used here: collectives live in ``comm.py`` and are scheduled by ``engine.py``.
+No process group is held here: collectives live in ``comm.py`` and are scheduled by ``engine.py``, except the
+blocking :func:`gather_full` outside the step (summon, full state dicts).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -272,6 +273,16 @@ class FlatParameter:
         """Bytes this rank holds for the shard and its gradient."""
         held = [self.local_shard] + ([self.sharded_grad] if self.sharded_grad is not None else [])
         return sum(t.numel() * t.element_size() for t in held)
+
+
+def gather_full(flat: FlatParameter, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The padded full tensor of ``flat`` from every rank's ``shard`` (default: its parameter shard, master dtype;
+    an optimizer state shard of the same layout works too), on ``flat.device`` (blocking collective over ``group``,
+    the model's ShardGroup).  Slot ``s`` of the result is ``full[s.offset : s.offset + s.numel].view(s.shape)``."""
+    shard = flat.local_shard if shard is None else shard
+    full = torch.empty(flat.layout.padded_numel, dtype=shard.dtype, device=flat.device)
+    group.all_gather(full, shard.to(flat.device), async_op=False)  # (.to: under offload the shard is host memory)
+    return full
 
 
 def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:

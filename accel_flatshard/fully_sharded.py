@@ -3,7 +3,7 @@
 ``FullyShardedDataParallel(model)`` decides the units (root + auto-wrapped blocks), assigns every
 parameter to one unit (tied parameters to the lowest unit that contains all their users), materialises a
 meta-device model one unit at a time (low RAM: a rank holds about ``model size / W`` plus one unit), builds
-the flat parameters and shards them.  The step (hooks, order, prefetch, backward) is ``unit.Schedule``.
+the flat parameters and shards them.  The step (hooks, order, prefetch, backward) is ``schedule.Schedule``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from .mixed_precision import MixedPrecision
 from .offload import CPUOffload
 from .profiler import start_from_env
 from .state_dict import model as model_state
-from .unit import BackwardPrefetch, Schedule, Unit
+from .schedule import Schedule
+from .unit import BackwardPrefetch, Unit
 from .wrap import Policy, select_units
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -107,7 +108,7 @@ class FullyShardedDataParallel(nn.Module):
         if options.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
             start_from_env(self.shard_group.world_rank)
         engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, offload=wants_offload(cpu_offload))
-        self._schedule = Schedule(engine, backward_prefetch, forward_prefetch, mixed_precision)
+        self._schedule = schedule = Schedule(engine, backward_prefetch, forward_prefetch, mixed_precision)
 
         unit_modules = select_units(module, auto_wrap_policy)
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
@@ -124,26 +125,29 @@ class FullyShardedDataParallel(nn.Module):
                 _refresh_params(params, users)
             _move_unit_buffers(unit_users.values(), device)
             flats = [
-                self._build_flat(params, fqns, users, param_dtype, sync_module_states, device)
+                self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
                 for params, fqns, users in owned[id(unit_module)]
             ]
-            unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module, reshard_after_forward)
+            unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
+                        reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
             self._schedule.add_unit(unit)
         self._sync_buffers(sync_module_states)
-        model_state.install(self, self._schedule.units, self._schedule.ensure_idle)  # state_dict() gathers (collective)
+        # state_dict() gathers (collective); ensure_idle is handed down (state_dict/ sits below the schedule)
+        model_state.install(self, schedule.units, lambda what: schedule.ensure_idle(what))
         if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
             module.__dict__["generate"] = types.MethodType(generation.generate_in_session, module)
         if options.get("FLATSHARD_KEEP_FROZEN_GATHERED"):
             generation.control_of(self)  # its no-grad forwards keep units gathered from the first one
 
     # ------------------------------------------------------------------ construction helpers
-    def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, device) -> FlatParameter:
+    def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, engine: Engine) -> FlatParameter:
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
-        flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype, device=device)
-        if self._schedule.engine.offload is not None:
-            self._schedule.engine.offload.place_shard(flat)
+        flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype,
+                             device=engine.device)
+        if engine.offload is not None:
+            engine.offload.place_shard(flat)
         full = flat.full_flat_from_params()
         if sync_module_states:
             group.broadcast_from_rank0(full)
@@ -225,7 +229,7 @@ class FullyShardedDataParallel(nn.Module):
         and ``generate()`` inside run the plain model, gathering nothing.  With ``writeback`` (default)
         changes made inside are kept; ``model.to(dtype)`` inside is undone on exit.  ``recurse`` is accepted
         for torch FSDP's signature (the whole model is gathered either way); torch's other arguments only at
-        their defaults.  See ``generation.py``.  Example::
+        their defaults.  See ``Schedule.summon``.  Example::
 
             with model.summon_full_params():
                 full = model.state_dict()   # on every rank
@@ -234,14 +238,13 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
                              f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank "
                              "gets the full parameters on the model's device")
-        self.ensure_idle("summon_full_params")
-        with generation.summoned(self, writeback):
+        with self._schedule.summon(writeback):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every rank; returns the total norm."""
         return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group,
-                               device=self._schedule.engine.device)
+                               device=self._schedule.device)
 
     def sharded_bytes(self) -> int:
         """Bytes this rank holds in parameter shards and sharded gradients."""
@@ -318,7 +321,8 @@ def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict
         chains = [chain(innermost[id(m)]) for m, _ in users[id(p)]]
         owner = next(u for u in chains[0] if all(any(u is v for v in c) for c in chains[1:]))
         if not p.is_floating_point():
-            raise TypeError(f"parameter {first_name[id(p)]} has dtype {p.dtype}; only floating-point parameters can be sharded")
+            raise TypeError(f"parameter {first_name[id(p)]} has dtype {p.dtype}; only floating-point parameters can be "
+                            "sharded")
         bucket = groups[id(owner)].setdefault((p.dtype, p.requires_grad), ([], [], []))
         bucket[0].append(p)
         bucket[1].append(first_name[id(p)])
@@ -405,9 +409,11 @@ def _module_device(module: nn.Module) -> torch.device:
 
 def _check_device(device: torch.device, group: ShardGroup, module: nn.Module) -> None:
     if group.uses_nccl and not group.uses_gloo and device.type != "cuda":
-        raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call model.to('cuda') first or use gloo")
+        raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call "
+                         "model.to('cuda') first or use gloo")
     if group.uses_gloo and not group.uses_nccl and device.type == "cuda":
-        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl backend for CUDA")
+        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl "
+                         "backend for CUDA")
 
 
 def check_not_wrapped(module: nn.Module) -> None:

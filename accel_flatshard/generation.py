@@ -3,17 +3,12 @@
 Per decoding step a sharded model runs one forward; gathering every unit at every step (the training
 schedule) costs W-1 shards of the whole model per token.  This module owns the alternatives:
 
-* :func:`summoned`: every parameter becomes a full tensor (the original parameters point at full buffers,
-  their gradients are stashed, the units are ``SUMMONED``: their hooks stand aside), so forwards inside run the
-  plain module and ``generate()`` there gathers nothing.  Two sources of full buffers: the body of
-  ``summon_full_params`` gathers new ones in master dtype; a generation session that keeps every unit uses the
-  units' own gathered buffers (compute dtype).  ``model.to(torch.bfloat16)`` inside (TRL's GRPO/RLOO with
-  ``bf16=True``) is undone on exit: parameters and buffers get their dtype at entry back, and a dtype cast is
-  never written back, so the fp32 masters keep every bit.
+* ``Schedule.summon``: full parameters (new master-dtype buffers, or the kept units' own), so forwards inside
+  run the plain module and ``generate()`` there gathers nothing.
 * A *generation session* around ``generate()`` of the unwrapped model (its ``generate`` is wrapped at
   wrap time, :func:`generate_in_session`): units chosen by the plan are gathered at the start and kept
-  (``ShardedState.KEPT``) to the end of the call, in compute dtype; the others are gathered per step.  When
-  the plan keeps every unit the session is :func:`summoned` on them (gather-once: no hook work per step).
+  (``Schedule.keep``) to the end of the call, in compute dtype; the others are gathered per step.  When
+  the plan keeps every unit the session summons them (gather-once: no hook work per step).
   ``FLATSHARD_GENERATION_MODE``: ``budget`` (default) keeps units while the gathered bytes held at any moment
   stay within ``FLATSHARD_GENERATION_BUDGET_MB`` (``auto``: half the memory free when generate() starts,
   MemAvailable on CPU; warned once when not all fit); ``full`` keeps every unit, whatever the memory
@@ -43,8 +38,9 @@ import torch
 import torch.nn as nn
 
 from . import options, patches
+from .schedule import Schedule
 from .state_dict.model import find_wrapper
-from .unit import ShardedState, Unit, UnitState
+from .unit import ShardedState, Unit
 
 
 @dataclass(frozen=True)
@@ -58,52 +54,6 @@ def generation_options_from_env() -> GenerationOptions:
     """The generation options of the ``FLATSHARD_GENERATION_*`` variables (declared in options.py)."""
     return GenerationOptions(options.get("FLATSHARD_GENERATION_MODE"), options.get("FLATSHARD_GENERATION_BUDGET_MB"),
                              options.get("FLATSHARD_KEEP_FROZEN_GATHERED"))
-
-
-# ---------------------------------------------------------------------- summon_full_params
-@contextlib.contextmanager
-def summoned(wrapper: nn.Module, writeback: bool, master: bool = True) -> Iterator[None]:
-    """Parameters as full tensors until exit (see the module docstring): gathered now into new buffers of the
-    master dtype (``master``; with ``writeback`` changes inside are kept), else the units' kept buffers."""
-    units = wrapper.units
-    for unit in units:
-        unit.expect("summon", UnitState.IDLE, UnitState.AWAIT_BACKWARD)
-    states = [unit.state for unit in units]
-    buffers = [(m, n, b) for m in wrapper.module.modules() for n, b in m._buffers.items() if b is not None]
-    gathered: List[Tuple[Any, torch.Tensor, list, List[torch.Tensor]]] = []
-    try:
-        for flat in wrapper.flat_params:
-            if master:
-                full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-                wrapper.shard_group.all_gather(full, flat.local_shard.to(flat.device), async_op=False)  # offload: host shard
-            else:
-                full = flat.unsharded.detach()
-            grads = [p.grad for p in flat.params]
-            for p in flat.params:
-                p.grad = None  # (a full-shaped .data next to a 1-D .grad)
-            flat.point_params_at_full(full)
-            gathered.append((flat, full, grads, [p.data for p in flat.params]))
-        for unit in units:
-            unit.state = UnitState.SUMMONED
-        yield
-    finally:
-        for flat, full, grads, views in gathered:
-            if writeback:
-                for p, view in zip(flat.params, views):
-                    # `p.data = new` inside keeps its values; a dtype cast (model.to(bf16)) is not a change
-                    # of values and must not round the masters
-                    if p.data.data_ptr() != view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
-                        view.copy_(p.data)
-                flat.set_local_shard_from_full(full)
-            flat.point_params_at_shard()
-            for p, g in zip(flat.params, grads):
-                p.grad = g
-        for module, name, buf in buffers:
-            now = module._buffers.get(name)
-            if now is not None and now is not buf and now.dtype != buf.dtype:
-                module._buffers[name] = buf  # cast inside the summon (model.to(dtype)): the original comes back
-        for unit, state in zip(units, states):
-            unit.state = state
 
 
 # ---------------------------------------------------------------------- planning
@@ -153,6 +103,7 @@ class GenerationControl:
 
     def __init__(self, wrapper: nn.Module, options: GenerationOptions) -> None:
         self._wrapper = weakref.ref(wrapper)
+        self.schedule: Schedule = wrapper._schedule  # (it holds no reference to the wrapper)
         self.options = options
         self.active = False
         self._said: set = set()
@@ -168,17 +119,16 @@ class GenerationControl:
     def budget(self) -> int:
         """Collective: the smallest of every rank's budget (ranks that planned differently would issue different
         gathers and ``synced_gpus``: a hang, or gathers matched to the wrong flat parameters)."""
-        wrapper = self.wrapper
         mine = self.options.budget_bytes
         if mine is None:
-            mine = free_memory_bytes(wrapper._schedule.engine.device) // 2
-        agreed = torch.tensor(mine, dtype=torch.int64, device=wrapper._schedule.engine.device)
-        return int(wrapper.shard_group.all_reduce_world(agreed, op=torch.distributed.ReduceOp.MIN).item())
+            mine = free_memory_bytes(self.schedule.device) // 2
+        agreed = torch.tensor(mine, dtype=torch.int64, device=self.schedule.device)
+        return int(self.wrapper.shard_group.all_reduce_world(agreed, op=torch.distributed.ReduceOp.MIN).item())
 
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""
-        units = self.wrapper.units
-        prefetch = bool(self.wrapper._schedule.forward_prefetch)
+        units = self.schedule.units
+        prefetch = bool(self.schedule.forward_prefetch)
         total = sum(unit_bytes(u, master) for u in units)
         mode = self.options.mode
         if mode == "full":
@@ -187,16 +137,17 @@ class GenerationControl:
         if mode == "per_unit":
             if total <= budget:
                 self._say_once("per_unit", f"accel_flatshard: generation gathers every unit at every decoding step "
-                               f"(FLATSHARD_GENERATION_MODE=per_unit) although the whole model ({_mib(total)}) fits in "
-                               f"{_mib(budget)}; FLATSHARD_GENERATION_MODE=budget (default) gathers it once per generate()")
+                               f"(FLATSHARD_GENERATION_MODE=per_unit) although the whole model ({_mib(total)}) fits "
+                               f"in {_mib(budget)}; FLATSHARD_GENERATION_MODE=budget (default) gathers it once per "
+                               "generate()")
             return []
         kept = plan_kept_units(units, budget, prefetch, master)
         self.last_plan = (len(kept), sum(unit_bytes(u, master) for u in kept), budget)
         if len(kept) < len(units):
             self._say_once("budget", f"accel_flatshard: generation keeps {len(kept)} of {len(units)} units gathered "
                            f"({_mib(self.last_plan[1])} of {_mib(total)}, budget {_mib(budget)} from "
-                           f"FLATSHARD_GENERATION_BUDGET_MB); the others are gathered at every decoding step (holding up to "
-                           f"{_mib(peak_held_bytes(units, kept, prefetch, master))}). A budget of {_mib(total)} "
+                           "FLATSHARD_GENERATION_BUDGET_MB); the others are gathered at every decoding step (holding "
+                           f"up to {_mib(peak_held_bytes(units, kept, prefetch, master))}). A budget of {_mib(total)} "
                            "gathers once per generate()")
         return kept
 
@@ -207,39 +158,27 @@ class GenerationControl:
 
     @property
     def kept(self) -> List[Unit]:
-        return [u for u in self.wrapper.units if u.sharded_state is ShardedState.KEPT]
-
-    def keep(self, units: List[Unit]) -> None:
-        """Gather ``units`` now (issued together, so they overlap) and keep them gathered until :meth:`release`."""
-        self.wrapper._schedule.engine.begin_step()  # (CUDA: the gathers see the latest optimizer update)
-        for unit in units:
-            unit.unshard()
-        for unit in units:
-            unit.keep()
-
-    def release(self) -> None:
-        for unit in self.wrapper.units:
-            unit.unkeep()
+        return [u for u in self.schedule.units if u.sharded_state is ShardedState.KEPT]
 
     @contextlib.contextmanager
     def session(self) -> Iterator[bool]:
         """Keep the planned units gathered for one generation; yields whether every unit is kept."""
-        wrapper = self.wrapper
-        if self.active or any(u.state is UnitState.SUMMONED for u in wrapper.units):
+        schedule = self.schedule
+        if self.active or schedule.is_summoned:
             yield True  # nested (generate inside TRL's seam or a summon): the outer one decides
             return
-        self.release()  # (frozen-model units kept from earlier forwards: the plan below decides afresh)
+        schedule.release()  # (frozen-model units kept from earlier forwards: the plan below decides afresh)
         self.active = True
         try:
-            self.keep(self.plan())
-            if len(self.kept) == len(wrapper.units):
-                with summoned(wrapper, writeback=False, master=False):
+            schedule.keep(self.plan())
+            if len(self.kept) == len(schedule.units):
+                with schedule.summon(writeback=False, dtype="compute"):
                     yield True
             else:
                 yield False
         finally:
             self.active = False
-            self.release()
+            schedule.release()
 
     def sync_frozen_hook(self) -> None:
         """The root pre-forward hook of ``keep_frozen_gathered`` is registered while the option is on."""
@@ -313,9 +252,9 @@ def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
     if control.active:
         return
     if torch.is_grad_enabled():
-        control.release()
-    elif not control.kept and not any(u.state is UnitState.SUMMONED for u in control.wrapper.units):
-        control.keep(control.plan())
+        control.schedule.release()
+    elif not control.kept and not control.schedule.is_summoned:
+        control.schedule.keep(control.plan())
 
 
 def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -323,7 +262,7 @@ def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     the reference after it), so units kept by frozen models are released."""
     for control in list(_CONTROLS):
         if not control.active:
-            control.release()
+            control.schedule.release()
 
 
 # ---------------------------------------------------------------------- TRL's seam (patch table entry)
@@ -352,9 +291,8 @@ def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: 
     (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
     control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
-    if control.options.mode == "full" or (kept and len(kept) == len(control.wrapper.units)):
-        control.wrapper._schedule.ensure_idle("summon_full_params")
-        with summoned(control.wrapper, writeback=False):
+    if control.options.mode == "full" or (kept and len(kept) == len(control.schedule.units)):
+        with control.schedule.summon(writeback=False):
             yield
         return
     with control.session():

@@ -138,7 +138,7 @@ PATCHES: Tuple[Patch, ...] = (
           "no-op on our wrapper, and generate() still gathers once through the generate hook)",
           wraps_original=True, essential=False, optional_owner=True, introduced_in="1.6"),
     Patch("refuse_step_during_backward", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.unit:refuse_step_during_backward",
+          "accel_flatshard.schedule:refuse_step_during_backward",
           "a step while a backward of a sharded model runs, or after one that raised, would use partial, unreduced "
           "gradients: it raises instead", _TORCH_HOOKS, hook=True, scope="wrapper"),
     Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",

@@ -198,3 +198,57 @@ def test_the_reference_check_finds_an_unused_function(tmp_path):
     package.mkdir()
     (package / "m.py").write_text("def used():\n    pass\n\n\ndef unused():\n    used()\n")
     assert unreferenced_functions(package) == ["pkg/m.py:5 unused"]
+
+
+def unit_state_writers(package: Path) -> List[str]:
+    """Assignments to an attribute ``state`` (``unit.state = ...``, ``u.state, x = ...``, ``setattr(u, "state",
+    ...)``) outside ``schedule.py``: the Schedule is the only writer of a unit's state.  ``unit.py`` may set
+    ``self.state`` (its constructor's initial IDLE).  The package has no other ``.state`` attribute to write."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "schedule.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: List[ast.expr] = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and len(node.args) > 1:
+                if isinstance(node.args[1], ast.Constant) and node.args[1].value == "state":
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {ast.unparse(node)}")
+            for target in (t for top in targets for t in ast.walk(top)):
+                if isinstance(target, ast.Attribute) and target.attr == "state" and isinstance(target.ctx, ast.Store):
+                    own = path.name == "unit.py" and isinstance(target.value, ast.Name) and target.value.id == "self"
+                    if not own:
+                        found.append(f"{path.relative_to(package.parent)}:{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def schedule_engine_reaches(package: Path) -> List[str]:
+    """``x._schedule.engine`` (or ``schedule.engine``) outside unit.py, schedule.py and engine.py: other modules ask
+    the Schedule (``device``, ``keep``, ``summon``...), never its engine."""
+    return [f"{path.relative_to(package.parent)}:{node.lineno} {ast.unparse(node)}"
+            for path in sorted(package.rglob("*.py")) if path.name not in ("unit.py", "schedule.py", "engine.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "engine"
+            and (getattr(node.value, "attr", None) == "_schedule" or getattr(node.value, "id", None) == "schedule")]
+
+
+def test_the_schedule_is_the_only_writer_of_unit_state():
+    assert unit_state_writers(PACKAGE) == []
+
+
+def test_no_module_reaches_past_the_schedule_into_its_engine():
+    assert schedule_engine_reaches(PACKAGE) == []
+
+
+def test_the_unit_state_and_engine_checks_find_offenders(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "unit.py").write_text("class Unit:\n    def __init__(self):\n        self.state = 0\n")
+    (package / "schedule.py").write_text("def go(unit, schedule):\n    unit.state = 1\n    schedule.engine.drain()\n")
+    (package / "generation.py").write_text(
+        "def summon(units, wrapper):\n    for u in units:\n        u.state, n = 2, 0\n"
+        "    setattr(units[0], 'state', 3)\n    return wrapper._schedule.engine.device\n")
+    assert unit_state_writers(package) == ["pkg/generation.py:3 u.state",
+                                           "pkg/generation.py:4 setattr(units[0], 'state', 3)"]
+    assert schedule_engine_reaches(package) == ["pkg/generation.py:5 wrapper._schedule.engine"]

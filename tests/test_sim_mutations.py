@@ -44,7 +44,7 @@ MUTATIONS = [
     Mutation("streams of the current device, not the model's", "engine.py",
              "        return self.api.current_stream(self.device)\n", "        return self.api.current_stream()\n",
              ("models_device_are_used",)),
-    Mutation("inputs not moved to the model's device", "unit.py",
+    Mutation("inputs not moved to the model's device", "schedule.py",
              "        args, kwargs = self.engine.streams.move_inputs(args, kwargs)",
              "        pass", ("inputs_are_moved",)),
     Mutation("record_stream after the storage was resized to 0 (order swap)", "engine.py",

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from .. import comm, options
 from ..checkpoint.format import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
-from ..unit import UnitState
+from ..flat_param import gather_full  # (also for optim.py, which imports it from here)
 
 __all__ = ["install", "find_wrapper", "local_slices", "ModelIndex", "gather_full", "full_state_dict",
            "load_full_state_dict", "LoadResult"]
@@ -134,10 +134,6 @@ def require_all_ranks(wrapper: nn.Module, what: str) -> None:
         )
 
 
-def _summoned(wrapper: nn.Module) -> bool:
-    return any(u.state == UnitState.SUMMONED for u in wrapper.units)
-
-
 # ---------------------------------------------------------------------- where every entry lives
 @dataclass
 class ParamInfo:
@@ -214,16 +210,6 @@ class ModelIndex:
 
 
 # ---------------------------------------------------------------------- collective helpers
-def gather_full(flat: Any, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The padded full tensor of flat parameter ``flat`` from every rank's ``shard`` (default: its parameter
-    shard; an optimizer state shard of the same layout works too), on ``flat.device`` (collective over ``group``,
-    the model's ShardGroup).  Slot ``s`` of the result is ``full[s.offset : s.offset + s.numel].view(s.shape)``."""
-    shard = flat.local_shard if shard is None else shard
-    full = torch.empty(flat.layout.padded_numel, dtype=shard.dtype, device=flat.device)
-    group.all_gather(full, shard.to(flat.device), async_op=False)  # (.to: under offload the shard is host memory)
-    return full
-
-
 def dict_mode(group, has_dict: bool, what: str) -> str:
     """Collective: ``"local"`` when every rank passed a dict, ``"broadcast"`` when only global rank 0 did
     (its tensors are then broadcast one at a time); otherwise an error on every rank."""
@@ -383,7 +369,7 @@ def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
     """The state-dict post-hook on the user's module: replaces this rank's slices by the full values."""
     record = record_of(module)
     wrapper = record.wrapper() if record is not None else None
-    if wrapper is None or record.local_depth > 0 or _summoned(wrapper):
+    if wrapper is None or record.local_depth > 0 or wrapper._schedule.is_summoned:
         return
     full = full_state_dict(wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
     if record.world_rank == 0:
@@ -421,7 +407,7 @@ def load_state_dict(wrapper: nn.Module, state_dict: Optional[Dict[str, Any]], st
     """The wrapper's ``load_state_dict``: a full dict, resharded (collective outside ``summon_full_params``)."""
     if assign:
         raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
-    if _summoned(wrapper):
+    if wrapper._schedule.is_summoned:
         return wrapper.module.load_state_dict(state_dict, strict=strict)
     rank = wrapper.shard_group.world_rank
     given = state_dict if (state_dict or rank == 0) else None  # rank 0's state_dict() result elsewhere is {}

@@ -1,0 +1,419 @@
+"""The step of one wrapped model, and the only writer of its units' state (:class:`Schedule`).
+
+:class:`Schedule` holds the step's order, read top to bottom below: the module hooks of every unit (forward,
+backward), which unit is prefetched (the next in the recorded forward order; the previous one in backward),
+which stays gathered (the root, the last unit, a unit read from outside its forward), and the end of the step
+(the autograd callback that completes the reductions and frees every unit).  Outside the step it gathers the
+whole model (:meth:`Schedule.summon`: ``summon_full_params``, gather-once generation) or keeps chosen units
+gathered across forwards (:meth:`Schedule.keep`, generation.py decides which).  Every other module asks it;
+none moves a unit's :class:`~.unit.UnitState` or reaches its engine (tests/test_layout.py).  Also here: the
+optimizer step pre-hook that refuses a step during backward (:func:`refuse_step_during_backward`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback, tensors_in
+from .engine import Engine
+from .flat_param import FlatParameter, gather_full
+from .mixed_precision import MixedPrecision
+from .outside_reads import enable_outside_reads
+from .profiler import begin_span, end_span
+from .unit import BackwardPrefetch, Unit, UnitState
+
+
+# Schedules whose backward has started but not finished; optimizer steps must not see their gradients yet.
+_IN_BACKWARD: "weakref.WeakSet[Schedule]" = weakref.WeakSet()
+
+
+class Schedule:
+    """The step of one wrapped model: the hooks of its units and what spans units (order, prefetch, backward)."""
+
+    def __init__(self, engine: Engine, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool,
+                 mixed_precision: Optional[MixedPrecision]) -> None:
+        self.engine = engine
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.mixed_precision = mixed_precision
+        self.units: List[Unit] = []
+        self.sync_grads = True
+        self.in_forward = False
+        self.in_backward = False  # from the first backward hook to the end-of-backward callback
+        self.recorded_order: Optional[List[Unit]] = None
+        self._order_index: Dict[Unit, int] = {}
+        self._current_order: Dict[Unit, None] = {}  # this forward's units (ordered set)
+        self._order_ok = True
+        self._warned_order = False
+        self._outside_reads: List[Unit] = []  # units read outside their forward in the running forward
+        self._needed_by_backward: List[Unit] = []  # ... in a forward with grad: gathered when backward starts
+        # open flatshard::forward / flatshard::backward profiler spans (None unless a torch.profiler runs)
+        self._forward_span: Any = None
+        self._backward_span: Any = None
+
+    def add_unit(self, unit: Unit) -> None:
+        pre_forward = functools.partial(self._pre_forward, unit)
+        unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        for index, flat in enumerate(unit.flat_params):
+            if flat.requires_grad:
+                flat.unsharded.register_post_accumulate_grad_hook(self._post_backward_hook(unit, index))
+        if not unit.is_root:
+            enable_outside_reads(self, unit)  # e.g. TRL's fused LM head reads lm_head.weight in the root's forward
+        self.units.append(unit)
+
+    # ------------------------------------------------------------------ forward
+    # The hooks (and read_outside_forward) are dynamo-disabled: under torch.compile they run eagerly, so the
+    # graph breaks only at unit boundaries and a compiled block sees plain views (compilation.py).
+    @torch.compiler.disable
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+        if unit.state is UnitState.SUMMONED:
+            return args, kwargs  # the parameters are full: the plain module runs
+        if unit.is_root and not (self.in_backward and inside_backward_pass()):
+            args, kwargs = self._pre_root_forward(args, kwargs)
+        if self.in_backward:  # an activation-checkpointing recomputation through module __call__
+            unit.unshard()
+            unit.wait_unshard()
+            if not unit.views_installed:  # (they stay until the unit's backward ends)
+                unit.install_views()
+            return args, kwargs
+        unit.expect("pre_forward", UnitState.IDLE, UnitState.AWAIT_BACKWARD)
+        unit.state = UnitState.FORWARD
+        if not unit.is_root:  # (the root's forward is the flatshard::forward span)
+            end_span(unit.forward_span)  # still open if the unit's previous forward raised
+            unit.forward_span = begin_span(f"forward[{unit.name}]")
+        unit.unshard()
+        unit.wait_unshard()
+        self._record_and_prefetch(unit)
+        unit.install_views()
+        if torch.is_grad_enabled() and unit.flat_params and not unit.trainable:
+            # no gradient of its own to wait for: reshard once the gradients of all its inputs are computed,
+            # i.e. its backward is over (torch FSDP1's reshard-only hook); inputs without grad: no backward
+            tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._post_backward_frozen, unit), mode="all")
+        return args, kwargs
+
+    def _pre_root_forward(self, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+        if self.in_backward:
+            self._abandon_backward()
+        end_span(self._forward_span)  # still open if the previous forward raised
+        self._forward_span = begin_span("forward")
+        for unit in self.units:
+            if unit.state is UnitState.FORWARD:  # the previous forward raised inside this unit
+                unit.uninstall_views()
+                unit.state = UnitState.IDLE
+            # Units still gathered from an earlier forward (the root, the last unit) are freed: their buffers may
+            # be stale if the shards were written since (summon, load_state_dict) and no backward followed.  A
+            # backward of that earlier forward gathers them again.
+            unit.release()
+            for flat in unit.flat_params:
+                flat.check_params_are_shard_views()
+                flat.release_grad_if_unused()
+        self.engine.begin_step()
+        self._end_outside_reads()  # left over by a forward that raised
+        self.in_forward = True
+        self._current_order, self._order_ok = {}, True
+        args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
+        mp = self.mixed_precision
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
+        return args, kwargs
+
+    def _record_and_prefetch(self, unit: Unit) -> None:
+        """Record the execution order, check it against the recorded one, prefetch the next unit."""
+        if unit in self._current_order:
+            return  # a unit called twice in one forward keeps its first position
+        index = len(self._current_order)
+        self._current_order[unit] = None
+        recorded = self.recorded_order
+        if recorded is None:
+            return
+        if self._order_ok and (index >= len(recorded) or recorded[index] is not unit):
+            self._order_ok = False
+            if not self._warned_order:
+                self._warned_order = True
+                warnings.warn(
+                    "accel_flatshard: units ran in a different order than in the first step; prefetch is "
+                    f"off for this step and follows the new order afterwards.\n  recorded: "
+                    f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
+                    stacklevel=4,
+                )
+        if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
+            recorded[index + 1].unshard()
+
+    @torch.compiler.disable
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> Any:
+        if unit.state is UnitState.SUMMONED or self.in_backward:
+            return output
+        unit.expect("post_forward", UnitState.FORWARD)
+        unit.uninstall_views()
+        keep = unit in self._outside_reads  # read from outside: gathered until the model's forward ends
+        if torch.is_grad_enabled():
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
+                                                              mode="any")
+            unit.state = UnitState.AWAIT_BACKWARD
+            recorded = self.recorded_order
+            # the last unit's backward comes first: keep it, as FSDP2 does
+            runs_last = self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit
+            if unit.reshard_after_forward and not runs_last and not keep:
+                unit.reshard()
+        else:
+            unit.state = UnitState.IDLE
+            if not unit.is_root and not keep:
+                unit.reshard()
+        if unit.is_root:
+            self._post_root_forward()
+        end_span(unit.forward_span)
+        unit.forward_span = None
+        return output
+
+    def _post_root_forward(self) -> None:
+        self.in_forward = False
+        self._end_outside_reads()
+        if self.recorded_order is None or not self._order_ok or len(self._current_order) != len(self.recorded_order):
+            self.recorded_order = list(self._current_order)
+            self._order_index = {u: i for i, u in enumerate(self.recorded_order)}
+        if not torch.is_grad_enabled():
+            for unit in self.units:  # no backward follows: free everything
+                unit.release()
+        end_span(self._forward_span)
+        self._forward_span = None
+
+    # ------------------------------------------------------------------ reads from outside a unit's forward
+    @torch.compiler.disable
+    def read_outside_forward(self, unit: Unit) -> bool:
+        """A parameter of ``unit`` is read by code outside its forward (``_reading_class``).  While the model
+        runs forward (or recomputes it in backward: every rank does the same read then) gather the unit, install
+        its views and return True; otherwise False (the reader gets the shard).  Read in a forward, the unit
+        stays gathered until that forward ends, and with grad until its backward is over (``_end_outside_reads``)."""
+        if not (self.in_forward or (self.in_backward and inside_backward_pass())):
+            return False
+        unit.unshard()
+        unit.wait_unshard()
+        if not unit.views_installed:
+            unit.install_views()
+        if not self.in_backward and unit not in self._outside_reads:
+            self._outside_reads.append(unit)
+        return True
+
+    def _end_outside_reads(self) -> None:
+        """The forward that read units from outside ended: their attributes show shards again.  With grad enabled
+        autograd saved the views (also of frozen parameters: the input gradient needs them), so a unit stays
+        gathered for backward, and is gathered again when backward starts if something freed it meanwhile (a
+        no-grad forward in between)."""
+        for unit in self._outside_reads:
+            unit.uninstall_views()
+            if torch.is_grad_enabled():
+                if unit not in self._needed_by_backward:
+                    self._needed_by_backward.append(unit)
+                if unit.state is UnitState.IDLE:
+                    unit.state = UnitState.AWAIT_BACKWARD
+            elif unit not in self._needed_by_backward:
+                unit.state = UnitState.IDLE
+                unit.reshard()
+        self._outside_reads = []
+
+    # ------------------------------------------------------------------ backward
+    def _start_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self._backward_span = begin_span("backward")
+            _IN_BACKWARD.add(self)
+            queue_end_of_backward_callback(self._end_backward)
+            for unit in self._needed_by_backward:  # tensors saved from outside reads must find their data
+                unit.unshard()
+                unit.wait_unshard()
+
+    def _pre_backward(self, unit: Unit, grads: Any) -> None:
+        self._start_backward()
+        unit.open_backward_uses += 1  # (counted for frozen units: closed by _post_backward_frozen)
+        if unit.state is UnitState.BACKWARD:
+            return  # a second output (or a second forward's output) of the same backward
+        # (BACKWARD_DONE: a frozen unit called twice is resharded after each use's backward; IDLE: a second
+        # backward through a retained graph, or after a no-grad forward in between)
+        unit.expect("pre_backward", UnitState.AWAIT_BACKWARD, UnitState.BACKWARD_DONE, UnitState.IDLE)
+        unit.state = UnitState.BACKWARD
+        if unit.gathers_for_backward:
+            unit.unshard()
+            unit.wait_unshard()
+            # Checkpointed layers may recompute forward inside backward without running module hooks
+            # (transformers checkpoints `forward`, not `__call__`): the attributes must already resolve to
+            # autograd-tracked views, so build them with grad mode on (hooks run with it off).
+            with torch.enable_grad():
+                unit.install_views()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_before(unit)
+
+    def _post_backward_hook(self, unit: Unit, index: int):
+        # weak: held from the tensor's C++ side, a reference to the schedule (or unit) is a cycle gc cannot break
+        schedule, unit_ref = weakref.ref(self), weakref.ref(unit)
+
+        def hook(tensor: torch.Tensor) -> None:
+            owner, target = schedule(), unit_ref()
+            if owner is not None and target is not None:
+                owner._post_backward(target, target.flat_params[index])
+
+        return hook
+
+    def _post_backward(self, unit: Unit, flat: FlatParameter) -> None:
+        """``flat``'s full gradient is accumulated: reduce it; once all of the unit's are, its backward is over."""
+        self._start_backward()  # a unit whose outputs carried no hook still ends the step
+        # (AWAIT_BACKWARD, IDLE: read from outside its forward, no backward hook of its own)
+        unit.expect("post_backward", UnitState.BACKWARD, UnitState.AWAIT_BACKWARD, UnitState.IDLE)
+        if self.sync_grads:
+            grad = flat.unsharded.grad
+            flat.unsharded.grad = None
+            self.engine.reduce_grad(flat, grad, unit.name)
+        # no_sync: the full gradient stays in flat.unsharded.grad and keeps accumulating
+        unit.grads_arrived += 1
+        if unit.grads_arrived == unit.trainable:
+            self._end_unit_backward(unit)  # nothing in this backward reads its parameters again
+
+    def _post_backward_frozen(self, unit: Unit, grads: Any) -> None:
+        unit.open_backward_uses -= 1
+        if unit.state is UnitState.BACKWARD and unit.open_backward_uses <= 0:
+            self._end_unit_backward(unit)  # (else another call of this unit still runs backward)
+
+    def _end_unit_backward(self, unit: Unit) -> None:
+        unit.uninstall_views()
+        unit.reshard()
+        unit.state = UnitState.BACKWARD_DONE
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_before(unit)
+
+    def _prefetch_before(self, unit: Unit) -> None:
+        """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
+        if not self._order_ok or self.recorded_order is None:
+            return
+        index = self._order_index.get(unit)
+        if index:
+            previous = self.recorded_order[index - 1]
+            if previous.state is UnitState.AWAIT_BACKWARD and previous.gathers_for_backward:
+                previous.unshard()
+
+    def _end_backward(self) -> None:
+        """End of backward (autograd callback): complete the reductions, free every unit, reset the states."""
+        self.engine.finish_reduces()
+        self._reset_after_backward()
+
+    def _reset_after_backward(self) -> None:
+        for unit in self.units:
+            unit.finish()
+            unit.state = UnitState.IDLE
+        self._needed_by_backward = []
+        self.in_backward = False
+        _IN_BACKWARD.discard(self)
+        end_span(self._backward_span)
+        self._backward_span = None
+
+    def _abandon_backward(self) -> None:
+        """A backward that raised never ran the end-of-backward callback: finish the collectives it started
+        (every rank started the same ones) and start clean; its partial gradients are dropped."""
+        warnings.warn("accel_flatshard: the previous backward did not complete; its gradients are discarded")
+        self.engine.drain_discarding_reductions()
+        self._reset_after_backward()
+
+    # ------------------------------------------------------------------ outside the step
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def ensure_idle(self, what: str) -> None:
+        """Raise during forward/backward; else free kept units (they go stale once the shards are written) and
+        finish every collective in flight."""
+        busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
+        if busy or self.in_backward:
+            raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
+        self.release()
+        self.engine.drain()
+
+    def keep(self, units: List[Unit]) -> None:
+        """Gather ``units`` now (issued together, so they overlap) and keep them gathered until :meth:`release`."""
+        self.engine.begin_step()  # (CUDA: the gathers see the latest optimizer update)
+        for unit in units:
+            unit.unshard()
+        for unit in units:
+            unit.keep()
+
+    def release(self) -> None:
+        """Kept units are freed now if idle, else by the next forward or the end of backward."""
+        for unit in self.units:
+            unit.unkeep()
+
+    @property
+    def is_summoned(self) -> bool:
+        return any(unit.state is UnitState.SUMMONED for unit in self.units)
+
+    @contextlib.contextmanager
+    def summon(self, writeback: bool, dtype: str = "master") -> Iterator[None]:
+        """Parameters as full tensors until exit; the units are SUMMONED (their hooks stand aside: forwards run the
+        plain module), gradients are stashed (a full-shaped ``.data`` next to a 1-D ``.grad``).  ``dtype``:
+        ``"master"``, new buffers gathered now after :meth:`ensure_idle` (with ``writeback`` changes inside are
+        kept); ``"compute"``, the buffers of units kept by :meth:`keep`.  ``model.to(dtype)`` inside (TRL's GRPO
+        with ``bf16=True``) is undone on exit and never written back: the masters keep every bit."""
+        if dtype not in ("master", "compute"):
+            raise ValueError(f"summon: dtype must be 'master' or 'compute', got {dtype!r}")
+        if dtype == "master":
+            self.ensure_idle("summon_full_params")
+        for unit in self.units:
+            unit.expect("summon", UnitState.IDLE, UnitState.AWAIT_BACKWARD)
+        states = [unit.state for unit in self.units]
+        root = next(unit.module for unit in self.units if unit.is_root)
+        buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None]
+        gathered: List[Tuple[FlatParameter, torch.Tensor, list, List[torch.Tensor]]] = []
+        try:
+            for flat in (flat for unit in self.units for flat in unit.flat_params):
+                full = gather_full(flat, self.engine.group) if dtype == "master" else flat.unsharded.detach()
+                grads = [p.grad for p in flat.params]
+                for p in flat.params:
+                    p.grad = None
+                flat.point_params_at_full(full)
+                gathered.append((flat, full, grads, [p.data for p in flat.params]))
+            for unit in self.units:
+                unit.state = UnitState.SUMMONED
+            yield
+        finally:
+            for flat, full, grads, views in gathered:
+                if writeback:
+                    for p, view in zip(flat.params, views):
+                        # `p.data = new` inside keeps its values; a dtype cast is not a change of values
+                        if p.data.data_ptr() != view.data_ptr() and p.dtype == view.dtype and p.shape == view.shape:
+                            view.copy_(p.data)
+                    flat.set_local_shard_from_full(full)
+                flat.point_params_at_shard()
+                for p, g in zip(flat.params, grads):
+                    p.grad = g
+            for module, name, buf in buffers:
+                now = module._buffers.get(name)
+                if now is not None and now is not buf and now.dtype != buf.dtype:
+                    module._buffers[name] = buf  # cast inside the summon (model.to(dtype)): the original comes back
+            for unit, state in zip(self.units, states):
+                unit.state = state
+
+
+def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook (an entry of ``patches.py``): no step on gradients of an unfinished backward."""
+    if not _IN_BACKWARD:
+        return
+    busy = {id(schedule.engine.group) for schedule in _IN_BACKWARD}
+    if any(id(getattr(p, "_flatshard_group", None)) in busy for g in optimizer.param_groups for p in g["params"]):
+        if inside_backward_pass():
+            raise RuntimeError(
+                "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
+                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns."
+            )
+        raise RuntimeError(
+            "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
+            "unreduced. Run forward and backward again before stepping."
+        )
