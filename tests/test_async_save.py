@@ -257,3 +257,37 @@ def test_cuda_snapshot_without_either_wait_is_a_race_the_simulator_names(drop, r
     # wait_event: the next update may run before the copy; wait_stream: the copy may run before the last update
     sim, _ = _simulated_snapshot(drop)
     assert any(racing_op in str(v) for v in sim.violations), sim.violations
+
+
+@pytest.mark.parametrize("how", ["keyword", "FLATSHARD_ASYNC_SAVE"])
+def test_async_save_on_an_accelerator_that_is_not_sharding_saves_synchronously_and_says_so_once(tmp_path, how):
+    """No FSDP config, one process: accelerate's own save_state runs (it has no async_save); the request for a
+    background write is not dropped silently."""
+    import warnings
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accel_flatshard.integrations.accelerate import Accelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith(_PREFIXES)]}
+    os.environ.update({"FLATSHARD_ASYNC_SAVE": "1"} if how != "keyword" else {})
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.flatshard_options is None
+        model = Toy()
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+        kwargs = {"async_save": True} if how == "keyword" else {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name in ("a", "b"):
+                accelerator.save_state(str(tmp_path / name), **kwargs)
+        said = [w for w in caught if "save_state writes synchronously" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
+        assert {"model.safetensors", "optimizer.bin"} <= set(os.listdir(tmp_path / "b"))
+    finally:
+        os.environ.pop("FLATSHARD_ASYNC_SAVE", None)
+        os.environ.update(saved)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

@@ -294,11 +294,17 @@ class Accelerator(_BaseAccelerator):
                    **save_model_func_kwargs: Any) -> str:
         """Model and optimizer per ``fsdp_state_dict_type`` (FULL: rank 0 writes one file each; SHARDED: every
         rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate;
-        ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and optimizer in the background."""
-        if self._flatshard_options is None:
-            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        return state_io.save_state(self, output_dir, safe_serialization,
-                                   async_save=save_model_func_kwargs.pop("async_save", None))
+        ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and optimizer in the background; an
+        Accelerator that is not sharding saves synchronously and says so once (accelerate has no such keyword)."""
+        async_save = save_model_func_kwargs.pop("async_save", None)
+        if self._flatshard_options is not None:
+            return state_io.save_state(self, output_dir, safe_serialization, async_save=async_save)
+        if (self.flatshard_async_save if async_save is None else async_save) and not self.__dict__.get("_sync_said"):
+            self._sync_said = True
+            warnings.warn("accel_flatshard: async_save / FLATSHARD_ASYNC_SAVE writes in the background only the models "
+                          "accel_flatshard shards; this Accelerator is not sharding (no FSDP config, or one process): "
+                          "save_state writes synchronously", stacklevel=2)
+        return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
