@@ -262,9 +262,9 @@ def broadcast_object(group: Optional[dist.ProcessGroup], obj: Any) -> Any:
 
 
 def all_gather_object(group: Optional[dist.ProcessGroup], obj: Any) -> List[Any]:
-    """Every rank's ``obj``, in group rank order."""
-    if _size(group) == 1:
-        return [obj]
+    """Every rank's ``obj``, in group rank order (a fake group's ranks are all this process: the planner's)."""
+    if _size(group) == 1 or dist.get_backend(group).startswith("fake"):
+        return [obj] * _size(group)
     out: List[Any] = [None] * _size(group)
     with _on_model_device(group):
         dist.all_gather_object(out, obj, group=group)

@@ -222,3 +222,26 @@ def measure_rows(rank: int, world_size: int, rows: List[Row], limits: List[Optio
 def toy_cli_batch(batch_size: int, seq_len: Any) -> tuple:
     """``--make_batch`` for the toy model (the command line's signature)."""
     return make_batch("toy")(batch_size)
+
+
+def snapshot_bytes(rank: int, world_size: int, r: Row) -> Dict[str, int]:
+    """On each gloo rank, after one step of ``r``'s model: the host bytes the asynchronous save's snapshot really
+    holds, SHARDED (``commit.snapshot_entries``' copies of the model's and optimizer's entries) and FULL (the
+    model and optimizer state gathered to rank 0, which is its snapshot)."""
+    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.checkpoint.dcp import FlatRange
+    from accel_flatshard.checkpoint.sharded import model_entries, optimizer_entries
+    from accel_flatshard.state_dict.model import full_state_dict
+    from accel_flatshard.state_dict.optim import full_optim_state_dict
+
+    wrapped = wrap(r)
+    optimizer = adamw("cpu")(list(wrapped.parameters()))
+    wrapped(**make_batch(r.model)(BATCH)).loss.backward()
+    optimizer.step()
+    copies = [commit.snapshot_entries(entries)[0] for _, entries, _ in (model_entries(wrapped),
+                                                                        optimizer_entries(wrapped, optimizer))]
+    sharded = [e.local if isinstance(e, FlatRange) else e for copy in copies for e in copy.values()]
+    full = [t for state in (full_state_dict(wrapped), full_optim_state_dict(wrapped, optimizer))
+            for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    return {kind: sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+            for kind, tensors in (("SHARDED_STATE_DICT", sharded), ("FULL_STATE_DICT", full))}

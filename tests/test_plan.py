@@ -25,7 +25,7 @@ import torch
 
 import dist_helpers
 from launch_helpers import CPU_FSDP_YAML, REPO, SCRIPTS, launch, read_json
-from plan_rows import BATCH, BF16, BF16_REDUCE_BF16, measure, measure_rows, row, wrap
+from plan_rows import BATCH, BF16, BF16_REDUCE_BF16, measure, measure_rows, row, snapshot_bytes, wrap
 
 from accel_flatshard import plan
 from accel_flatshard.plan.__main__ import main as plan_main
@@ -157,6 +157,23 @@ def test_the_plan_follows_a_flipped_schedule_rule(monkeypatch):
     flipped, measured = r.planner().predict(r.cfg).peak_bytes, measure(r)
     assert abs(flipped - measured) <= TOLERANCE * measured and abs(before - measured) > TOLERANCE * measured, \
         (before, flipped, measured)
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_plan_counts_the_async_save_snapshot_in_host_memory(state_dict_type, monkeypatch):
+    """FLATSHARD_ASYNC_SAVE=1 (issue 31): the plan's host line is the bytes the snapshot really holds on rank 0 of
+    2 gloo ranks: SHARDED, its shard of the parameters and AdamW state (about 12 bytes x parameters / W); FULL,
+    the whole model and optimizer state gathered to rank 0."""
+    r = row("llama", 2, "FULL_SHARD")
+    real = dist_helpers.spawn(2, snapshot_bytes, r, timeout_s=300)[0][state_dict_type]
+    monkeypatch.setenv("FLATSHARD_ASYNC_SAVE", "1")
+    planner = r.planner()
+    planner.options = dataclasses.replace(planner.options, state_dict_type=state_dict_type)
+    planned = planner.predict(r.cfg).snapshot
+    numel = planner.numel
+    print(f"\n{state_dict_type}: snapshot planned {planned:,} bytes, real {real:,} (12 x {numel:,} parameters "
+          f"= {12 * numel:,})")
+    assert planned == real and 0.9 * 12 * numel / (2 if "SHARDED" in state_dict_type else 1) < real
 
 
 # ---------------------------------------------------------------------- the README path, under accelerate launch

@@ -80,6 +80,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
                   f"{planner.device}", "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
         "activations_saved_for_backward": {"without_checkpointing": (other if cfg.checkpointing else pred).saved,
                                            "with_checkpointing": (pred if cfg.checkpointing else other).saved}}
+    if pred.snapshot:
+        out["host_async_save_snapshot_bytes"] = pred.snapshot
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
@@ -111,6 +113,9 @@ def print_report(out: Dict[str, Any]) -> None:
     print(f"  {'activations saved for backward':<38}{mib(saved['without_checkpointing']):>10}   (with activation "
           f"checkpointing: {mib(saved['with_checkpointing'])})\n{'peak':<40}{mib(out['peak_bytes']):>10}   in the "
           f"{out['where']}")
+    if "host_async_save_snapshot_bytes" in out:
+        print(f"host memory, not the device's:\n  {'async save snapshot':<38}"
+              f"{mib(out['host_async_save_snapshot_bytes']):>10}   (FLATSHARD_ASYNC_SAVE=1, until its write ends)")
     if "fits" in out:
         print(f"\nconfigurations that fit in {mib(out['device_memory'])} MiB, expected fastest first:" +
               ("" if out["fits"] else " none (more ranks, a shorter sequence or a smaller model)"))

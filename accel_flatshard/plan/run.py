@@ -21,9 +21,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .._compat import fake_mode_with_scalars, fake_world, map_tensors
+from .. import options as environment
+from .._compat import fake_mode_with_scalars, fake_world, map_tensors, tensors_in
+from ..checkpoint.commit import snapshot_bytes
+from ..checkpoint.sharded import model_entries, optimizer_entries
 from ..engine import ADAPTER, CudaStreams, HostAdapter
 from ..fully_sharded import FullyShardedDataParallel
+from ..state_dict.model import full_state_dict
+from ..state_dict.optim import full_optim_state_dict
 from ..unit import BackwardPrefetch, UnitState
 from ..wrap import checkpoint_units
 from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
@@ -34,6 +39,7 @@ class Prediction:
     where: str  # e.g. "backward of model.layers.3"
     parts: Dict[str, int]  # what is held at the peak, by kind
     saved: int = 0  # activations (and inputs) held at the end of the forward, for backward
+    snapshot: int = 0  # host memory: an asynchronous save's snapshot (FLATSHARD_ASYNC_SAVE=1)
 
 
 class _Recording:
@@ -113,7 +119,7 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where."""
     cuda = planner.device == "cuda"
     trace = _Trace(cuda=cuda)
-    options = dataclasses.replace(
+    opts = dataclasses.replace(
         planner.options, reshard_after_forward=cfg.reshard_after_forward, forward_prefetch=cfg.forward_prefetch,
         fsdp_group_size=cfg.shard_size if cfg.shard_size < planner.world_size else None, sync_module_states=False,
         backward_prefetch=BackwardPrefetch[cfg.backward_prefetch] if cfg.backward_prefetch else None,
@@ -129,8 +135,8 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
             model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
-            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=options.auto_wrap_policy(model),
-                                               device_id="cpu", **options.wrapper_kwargs())
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=opts.auto_wrap_policy(model),
+                                               device_id="cpu", **opts.wrapper_kwargs())
             if cfg.checkpointing:
                 checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
             trace.known.update(f.unsharded.untyped_storage()._cdata for f in wrapped.flat_params)
@@ -141,6 +147,8 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
                 _step(planner, cfg, wrapped, optimizer, trace, real, 1)
                 micro_steps = min(planner.batch_size // cfg.micro_batch, 2)
                 _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, best)
+            if environment.get("FLATSHARD_ASYNC_SAVE"):
+                best.snapshot = _snapshot(wrapped, optimizer, "SHARDED" in planner.options.state_dict_type)
     except Exception as exc:  # noqa: BLE001 - named for the user: the model, the op, and why fake tensors failed
         raise ValueError(f"{planner.class_name}'s training step did not run on fake tensors: "
                          f"{_why_fake_failed(trace.failed, exc)}") from exc
@@ -199,3 +207,13 @@ def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) ->
     else:
         busy = [u for u in units if u.state is UnitState.FORWARD]
         best.where = f"forward of {busy[-1].name if busy else '<root>'}"
+
+
+def _snapshot(wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, sharded: bool) -> int:
+    """Host bytes of the asynchronous save's snapshot on this rank, by the save's own code (``state_io``):
+    SHARDED, the entries it copies; FULL, the model and optimizer state gathered to rank 0."""
+    if sharded:
+        return sum(snapshot_bytes(entries) for _, entries, _ in (model_entries(wrapped),
+                                                                 optimizer_entries(wrapped, optimizer)))
+    full = tensors_in((full_state_dict(wrapped), full_optim_state_dict(wrapped, optimizer)))
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in full}.values())
