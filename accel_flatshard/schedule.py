@@ -269,15 +269,17 @@ class Schedule:
     def _post_backward(self, unit: Unit, flat: FlatParameter) -> None:
         """``flat``'s full gradient is accumulated: reduce it; once all of the unit's are, its backward is over."""
         self._start_backward()  # a unit whose outputs carried no hook still ends the step
-        # (AWAIT_BACKWARD, IDLE: read from outside its forward, no backward hook of its own)
-        unit.expect("post_backward", UnitState.BACKWARD, UnitState.AWAIT_BACKWARD, UnitState.IDLE)
+        # (AWAIT_BACKWARD, IDLE: read from outside its forward, no backward hook of its own; BACKWARD_DONE: a
+        # unit called twice under reentrant checkpointing, one inner backward per call, each reduced and summed)
+        unit.expect("post_backward", UnitState.BACKWARD, UnitState.AWAIT_BACKWARD, UnitState.IDLE,
+                    UnitState.BACKWARD_DONE)
         if self.sync_grads:
             grad = flat.unsharded.grad
             flat.unsharded.grad = None
             self.engine.reduce_grad(flat, grad, unit.name)
         # no_sync: the full gradient stays in flat.unsharded.grad and keeps accumulating
         unit.grads_arrived += 1
-        if unit.grads_arrived == unit.trainable:
+        if unit.grads_arrived % unit.trainable == 0:  # (a second call's recomputation gathers it again)
             self._end_unit_backward(unit)  # nothing in this backward reads its parameters again
 
     def _post_backward_frozen(self, unit: Unit, grads: Any) -> None:

@@ -124,3 +124,52 @@ def test_a_unit_applied_twice_under_offload_trains_like_ddp():
     assert ddp.keys() == offloaded.keys()
     for name in ddp:
         torch.testing.assert_close(offloaded[name], ddp[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _applied_twice_under_reentrant_checkpointing(rank, world_size):
+    import functools
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    from toy import Block, Toy, toy_batches
+
+    class CheckpointedToy(Toy):
+        """Every block under reentrant checkpointing: blocks[1], called twice, runs two inner backwards."""
+
+        def forward(self, x):
+            run = functools.partial(checkpoint, use_reentrant=True)
+            x = self.scale(run(self.blocks[0], self.embed(x)))
+            x = run(self.blocks[2], run(self.blocks[1], run(self.blocks[1], x)))
+            return self.head(x).pow(2).mean()
+
+    data = [x.chunk(world_size)[rank] for x in toy_batches(3)]
+    results = {}
+    for wrapper in ("ddp", "sharded", "offload"):
+        module = CheckpointedToy(tie_blocks=False)
+        # (DDP needs static_graph for a parameter made ready twice in one backward)
+        model = DDP(module, static_graph=True) if wrapper == "ddp" else FullyShardedDataParallel(
+            module, auto_wrap_policy=transformer_auto_wrap_policy([Block]),
+            cpu_offload=CPUOffload(wrapper == "offload"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in data:
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        state = module.state_dict() if wrapper == "ddp" else model.state_dict()
+        results[wrapper] = {k: v.detach().clone() for k, v in state.items()}
+    return results
+
+
+def test_a_unit_applied_twice_under_reentrant_checkpointing_trains_like_ddp():
+    """Reentrant checkpointing runs one inner backward per call of a unit, so the unit's gradients arrive (and
+    are reduced) once per call, the second time after its backward was done: both reductions are summed, with
+    and without offload."""
+    from dist_helpers import spawn
+
+    results = spawn(2, _applied_twice_under_reentrant_checkpointing)[0]
+    ddp = results.pop("ddp")
+    for wrapper, state in results.items():
+        assert state.keys() == ddp.keys()
+        for name in ddp:
+            torch.testing.assert_close(state[name], ddp[name], rtol=1e-5, atol=1e-6, msg=f"{wrapper} {name}")
