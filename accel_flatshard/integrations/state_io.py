@@ -26,11 +26,12 @@ rank 0 deciding for everyone.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -151,11 +152,20 @@ SNAPSHOTS = _Snapshots()
 
 def _snapshot(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str],
               entries: Callable[[], Tuple[Any, Dict, Dict]], gather_full: Callable[[], Dict[str, Any]]) -> None:
+    """This step's state of one model or optimizer in host memory (collective); the writer of its part (its DCP
+    directory under SHARDED_STATE_DICT, else the file rank 0 writes) goes to ``SNAPSHOTS.parts``."""
     os.makedirs(output_dir, exist_ok=True)
     sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
     path = os.path.join(output_dir, names[0] if sharded else names[1])
-    SNAPSHOTS.parts.append(_snapshot_part(sharded, accelerator.process_index == 0, path, entries, gather_full,
-                                          SNAPSHOTS.readies))
+    if sharded:
+        group, live, meta = entries()
+        snapshot, ready = commit.snapshot_entries(live)
+        SNAPSHOTS.readies.append(ready)
+        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
+        SNAPSHOTS.parts.append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
+        return
+    state, main = gather_full(), accelerator.process_index == 0  # CPU copies on rank 0 (its snapshot), {} elsewhere
+    SNAPSHOTS.parts.append((path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))))
 
 
 # ---------------------------------------------------------------------- the four functions
@@ -201,7 +211,8 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     optimizer = plain_optimizer(optimizer)
     if SNAPSHOTS.parts is not None:
         return _snapshot(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index),
-                         lambda: optimizer_entries(wrapped, optimizer), lambda: full_optim_state_dict(wrapped, optimizer))
+                         lambda: optimizer_entries(wrapped, optimizer),
+                         lambda: full_optim_state_dict(wrapped, optimizer))
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
           lambda path: save_sharded_optimizer(wrapped, optimizer, path),
           lambda: full_optim_state_dict(wrapped, optimizer))
@@ -228,7 +239,8 @@ def _checkpoint_number(folder: str) -> int:
     return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
 
 
-def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., Any], optimizer_fn: Callable[..., Any]) -> None:
+def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., Any],
+                              optimizer_fn: Callable[..., Any]) -> None:
     """``model_fn`` for every accel_flatshard model of ``acc._models`` (index ``i`` in prepare order), then
     ``optimizer_fn`` for every optimizer with the one model whose parameters it updates."""
     models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
@@ -261,23 +273,48 @@ def _parts(acc: Any, sharded: bool) -> List[str]:
     return parts + [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
 
 
-def _snapshot_part(sharded: bool, main: bool, path: str, entries: Callable[[], Tuple[Any, Dict, Dict]],
-                   gather_full: Callable[[], Dict[str, Any]], readies: List[Callable[[], None]]) -> Tuple[str, Callable]:
-    """This step's state of one model or optimizer in host memory (collective), and the writer of its part
-    (``path``: its DCP directory when ``sharded``, else the file rank 0 writes)."""
-    if sharded:
-        group, live, meta = entries()
-        snapshot, ready = commit.snapshot_entries(live)
-        readies.append(ready)
-        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
-        return path, lambda writer: save_entries(writer, path, snapshot, meta)
-    state = gather_full()  # CPU copies on rank 0 (its snapshot), {} elsewhere
-    return path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))
+@contextlib.contextmanager
+def _snapshots(background: bool) -> Iterator[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]:
+    """``(writes, readies)``: while open and ``background``, save_fsdp_* copy their state to host memory and add
+    the writer of their part to ``writes`` (and the wait for the copies to ``readies``) instead of writing."""
+    writes: List[Tuple[str, Callable[[Any], None]]] = []
+    readies: List[Callable[[], None]] = []
+    if background:
+        SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
+    try:
+        yield writes, readies
+    finally:
+        SNAPSHOTS.parts = SNAPSHOTS.readies = None
 
 
-def _run_all(calls: List[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
+def _begin_save(acc: Any, output_dir: str, manifest: Dict[str, Any]) -> None:
+    """Rank 0 marks ``output_dir`` incomplete (the pending manifest) until :func:`_end_save` commits it."""
+    if acc.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
+            os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
+        write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
+    acc.wait_for_everyone()
+
+
+def _end_save(acc: Any, output_dir: str, manifest: Dict[str, Any], background: bool, writes: List[Tuple[str, Callable]],
+              readies: List[Callable[[], None]], prune: Callable[[], None]) -> None:
+    """Rank 0 writes the commit marker (the save's last file, then ``prune()``) once every rank's files are
+    written: here, or after the background writer ran ``writes`` (``checkpoint/commit.py``)."""
+    def commit_marker() -> None:
+        write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
+        os.remove(os.path.join(output_dir, commit.PENDING_FILE))
+        prune()
+
+    if background:
+        shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
+        writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
+        commit.start_save(output_dir, writes, writer, lambda: [ready() for ready in readies], commit_marker, True)
+        return
+    acc.wait_for_everyone()  # every rank's files are written
+    if acc.is_main_process:
+        commit_marker()
+    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files and the marker
 
 
 def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True,
@@ -285,8 +322,7 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     """``Accelerator.save_state`` for accel_flatshard models (see the module docstring); ``async_save`` (default:
     ``accelerator.flatshard_async_save``, from ``FLATSHARD_ASYNC_SAVE``) returns once the state is in host memory
     and writes it in the background (``checkpoint/commit.py``)."""
-    if commit.SAVES.in_flight is not None:
-        commit.wait_for_saves()
+    commit.wait_for_saves()
     # the default: FLATSHARD_ASYNC_SAVE, read when the Accelerator was made
     background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
@@ -311,19 +347,9 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     logger.info(f"Saving current state to {output_dir}")
     sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
     manifest = {"parts": _parts(acc, sharded), "step": acc.step, "world_size": acc.num_processes}
-    if acc.is_main_process:  # the directory is incomplete from here until the commit marker is written again
-        if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
-            os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
-        write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
-    acc.wait_for_everyone()
-    parts: List[Tuple[str, Callable[[Any], None]]] = []
-    readies: List[Callable[[], None]] = []
-    if background:
-        SNAPSHOTS.parts, SNAPSHOTS.readies = parts, readies  # save_fsdp_* take snapshots instead of writing
-    try:
+    _begin_save(acc, output_dir, manifest)
+    with _snapshots(background) as (writes, readies):
         _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
-    finally:
-        SNAPSHOTS.parts = SNAPSHOTS.readies = None
     for hook in acc._save_model_state_pre_hook.values():
         hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
     save_on_each_node = config.save_on_each_node
@@ -336,22 +362,8 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     for i, obj in enumerate(acc._custom_objects):
         save_custom_state(obj, output_dir, i, save_on_each_node=save_on_each_node)
     config.iteration += 1
-
-    def commit_marker() -> None:  # rank 0, once every rank's parts are written (the last file of the save)
-        write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
-        os.remove(os.path.join(output_dir, commit.PENDING_FILE))
-        if config.automatic_checkpoint_naming:
-            commit.prune_checkpoints(root, config.total_limit)
-
-    if background:
-        shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
-        writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
-        commit.start_save(output_dir, parts, writer, lambda: _run_all(readies), commit_marker, background=True)
-        return str(save_location)
-    acc.wait_for_everyone()  # every rank's files are written
-    if acc.is_main_process:
-        commit_marker()
-    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files and the marker
+    _end_save(acc, output_dir, manifest, background, writes, readies,
+              lambda: config.automatic_checkpoint_naming and commit.prune_checkpoints(root, config.total_limit))
     return str(save_location)
 
 
@@ -403,54 +415,31 @@ def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[...
         acc = self.accelerator
         if not any(isinstance(m, FullyShardedDataParallel) for m in acc._models):
             return original(self, model, trial, *args, **kwargs)
-        if commit.SAVES.in_flight is not None:
-            commit.wait_for_saves()
+        commit.wait_for_saves()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
         parts = [accelerate_names(FSDP_MODEL_NAME, 0)[0] + "/"] if sharded else []
         if not self.args.save_only_model:
-            parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0] + "/" if sharded else accelerate_names(OPTIMIZER_NAME, 0)[1])
+            parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0 if sharded else 1] + ("/" if sharded else ""))
         manifest = {"parts": parts + ["trainer_state.json"], "step": self.state.global_step,
                     "world_size": acc.num_processes}
-        if acc.is_main_process:
-            os.makedirs(output_dir, exist_ok=True)
-            if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
-                os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
-            write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
-        acc.wait_for_everyone()
+        _begin_save(acc, output_dir, manifest)
         limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
         background = getattr(acc, "flatshard_async_save", False)
-        writes: List[Tuple[str, Callable[[Any], None]]] = []
-        readies: List[Callable[[], None]] = []
-        if background:
-            SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
-        if background and not sharded:  # FULL: rank 0's gathered copy is the snapshot; the Trainer writes it later
-            save_now = self._save
-            self._save = lambda out=None, state_dict=None: writes.append(
-                ("the model (Trainer._save)", lambda group: save_now(out, state_dict=state_dict)))
-        self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
-        try:
-            result = original(self, model, trial, *args, **kwargs)
-        finally:
-            self.args.save_total_limit = limit
-            SNAPSHOTS.parts = SNAPSHOTS.readies = None
-            self.__dict__.pop("_save", None)
-
-        def commit_marker() -> None:
-            write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
-            os.remove(os.path.join(output_dir, commit.PENDING_FILE))
-            commit.prune_checkpoints(run_dir, limit, prefix="checkpoint-", protect=[best])
-
-        if background:
-            shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
-            writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
-            commit.start_save(output_dir, writes, writer, lambda: _run_all(readies), commit_marker, background=True)
-            return result
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            commit_marker()
-        acc.wait_for_everyone()
+        with _snapshots(background) as (writes, readies):
+            if background and not sharded:  # FULL: rank 0's gathered copy is the snapshot; the Trainer writes it later
+                save_now = self._save
+                self._save = lambda out=None, state_dict=None: writes.append(
+                    ("the model (Trainer._save)", lambda group: save_now(out, state_dict=state_dict)))
+            self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
+            try:
+                result = original(self, model, trial, *args, **kwargs)
+            finally:
+                self.args.save_total_limit = limit
+                self.__dict__.pop("_save", None)
+        _end_save(acc, output_dir, manifest, background, writes, readies,
+                  lambda: commit.prune_checkpoints(run_dir, limit, prefix="checkpoint-", protect=[best]))
         return result
 
     return _save_checkpoint
