@@ -68,12 +68,10 @@ def dynamo_counters() -> Any:
 
 
 def fake_world(world_size: int, backend: str) -> Any:
-    """A context in which torch.distributed is a fresh world of ``world_size`` fake ranks (this process rank 0;
-    collectives do nothing), its groups named ``backend`` (e.g. ``fake_gloo``: comm.py picks collectives by the
-    name).  The caller's own world, if any, is set aside meanwhile and comes back untouched: c10d's tables (its
-    ``_world`` extension point and the module's maps) are swapped, and the fake groups get names of their own."""
+    """torch.distributed as a fresh world of ``world_size`` fake ranks (this process is rank 0; collectives do
+    nothing) whose groups are named ``backend`` (comm.py picks collectives by the name); the caller's own world is set
+    aside and comes back untouched (c10d's ``_world`` extension point and tables; the fake groups' names are new)."""
     import contextlib
-    import copy
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -87,9 +85,8 @@ def fake_world(world_size: int, backend: str) -> Any:
     def world() -> Any:
         saved = {name: getattr(c10d, name) for name in tables + ("_group_count", "_world")}
         for name in tables:
-            setattr(c10d, name, copy.copy(saved[name]))
-            getattr(c10d, name).clear()
-        c10d._world, c10d._group_count = c10d._World(), 10**9 + saved["_group_count"]  # (names of its own)
+            setattr(c10d, name, {})
+        c10d._world, c10d._group_count = c10d._World(), 10**9 + saved["_group_count"]
         try:
             dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
             yield

@@ -45,8 +45,7 @@ from .offload import HostOffload
 from .profiler import span
 
 
-# The adapter factory for engines made meanwhile (None: by the device); the memory planner runs the real wrapper
-# with an adapter that records memory (plan/run.py)
+# The adapter of engines made meanwhile (default: the device's); the memory planner's records memory (plan/run.py)
 ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", default=None)
 
 # FSDP2 gives its all-gather / reduce-scatter streams high priority so that communication kernels are
@@ -212,8 +211,7 @@ class Engine:
         self.group = group
         self.device = device
         if streams is None:  # (the tests pass a simulated adapter; the memory planner sets ADAPTER)
-            streams = ADAPTER.get()(device) if ADAPTER.get() else CudaStreams(device) if device.type == "cuda" \
-                else HostAdapter(device)
+            streams = (ADAPTER.get() or (CudaStreams if device.type == "cuda" else HostAdapter))(device)
         self.streams = streams
         self.use_streams = self.streams.stream_ordered
         self.reduce_dtype = reduce_dtype

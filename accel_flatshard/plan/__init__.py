@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -19,14 +18,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .._compat import fake_mode_with_scalars, map_tensors, tensors_in
+from .._compat import map_tensors, tensors_in
 from ..flat_param import FlatParamLayout
 from ..fully_sharded import _assign_owners
 from ..integrations.config import FlatShardOptions
 from ..wrap import select_units
 from . import run
 from .run import Prediction
-from .trace import _copy, _Trace
+from .trace import _copy
 
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
 # links inside and between nodes, PCIe, the host's optimizer step (state bytes/s), one unit's pass per micro-step.
@@ -79,8 +78,6 @@ class _Flat:
     full_reduce: int  # the flat gradient in the reduce dtype
     shard_reduce: int  # reduced shard (reduce dtype)
     trainable: bool
-    dtype: torch.dtype
-    pieces: Tuple[int, ...]  # elements of each parameter in the shard (the optimizer state's sizes)
 
 
 class Planner:
@@ -108,7 +105,7 @@ class Planner:
         # per unit (root first, as the wrapper builds them), its flat parameters: fqns, shapes, dtype, requires_grad
         self._groups = [[(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad) for ps, fqns, _ in groups]
                         for groups in _assign_owners(model, units)[0].values()]
-        for name in ("layout", "predict", "optimizer_bytes"):  # computed once per planner and argument
+        for name in ("layout", "predict"):  # computed once per planner and argument
             setattr(self, name, functools.lru_cache(maxsize=None)(getattr(self, name)))
 
     def layout(self, shard_size: int) -> List[List[_Flat]]:
@@ -122,21 +119,7 @@ class Planner:
         reduce = self.reduce_dtype or compute
         n, s = layout.padded_numel, layout.shard_numel
         return _Flat(n * compute.itemsize, s * dtype.itemsize, trainable * n * reduce.itemsize,
-                     trainable * s * reduce.itemsize, trainable, dtype, tuple(p.length for p in layout.shard_pieces(0)))
-
-    def optimizer_bytes(self, shard_size: int) -> int:
-        """The optimizer's state on rank 0's shards (the host's step with offload), from a fake step."""
-        sizes = [(n, f.dtype) for unit in self.layout(shard_size) for f in unit if f.trainable for n in f.pieces]
-        with fake_mode_with_scalars():
-            params = [nn.Parameter(torch.empty(n, dtype=d)) for n, d in sizes]
-            for p in params:
-                p.grad = torch.empty_like(p)
-            foreach = {"foreach": self.device == "cuda"} if "foreach" in inspect.signature(self.optimizer).parameters \
-                else {}
-            optimizer = self.optimizer(params, lr=1e-4, **foreach)  # (torch's default on CUDA: the fake step is on CPU)
-            with _Trace(params + [p.grad for p in params]) as trace:
-                optimizer.step()
-        return trace.live
+                     trainable * s * reduce.itemsize, trainable)
 
     def predict(self, cfg: Config) -> Prediction:
         """One rank's peak in a step of ``cfg``: the real wrapper's step on fake tensors (``run.py``)."""
@@ -163,7 +146,8 @@ def step_time(planner: Planner, cfg: Config) -> float:
     copies = (passes + 1) * sum(f.shard for f in flats) / hw["pcie"] if cfg.offload else 0
     overlap = (1.0 if cfg.limit_all_gathers > 1 else 0.5) if cfg.forward_prefetch or cfg.backward_prefetch else 0.0
     comm = steps * (gather + copies) + (1 if cfg.accumulation == "no_sync" else steps) * reduce
-    host = planner.optimizer_bytes(G) / hw["host_step"] if cfg.offload else 0
+    state = 2 * sum(f.shard for f in flats if f.trainable)  # (AdamW's two moments per trainable shard element)
+    host = state / hw["host_step"] if cfg.offload else 0
     fixed = steps * 3 * len(planner.names) * hw["unit_pass_s"] * (1 + cfg.checkpointing / 3)
     return steps * compute + max(0.0, comm - overlap * steps * compute) + host + fixed
 

@@ -76,8 +76,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         "model": f"{planner.class_name}, {planner.numel / 1e6:,.2f} M parameters in {len(planner.names)} units "
                  f"({', '.join(planner.names[:3])}{', ..., ' + planner.names[-1] if len(planner.names) > 3 else ''})",
         "config": f"{cfg.describe(W)}{f' x {steps} accumulation steps' if steps > 1 else ''}; {W} ranks, compute in "
-                  f"{str(planner.param_dtype or 'torch.float32')[6:]}, "
-                  f"{planner.device}", "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
+                  f"{str(planner.param_dtype or 'torch.float32')[6:]}, {planner.device}",
+        "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
         "activations_saved_for_backward": {"without_checkpointing": (other if cfg.checkpointing else pred).saved,
                                            "with_checkpointing": (pred if cfg.checkpointing else other).saved}}
     if pred.snapshot:
@@ -108,8 +108,7 @@ def print_report(out: Dict[str, Any]) -> None:
     print(f"{out['model']}\n{out['config']}\n{'per rank':<40}{'MiB':>10}")
     for name, value in out["at_peak"].items():
         kept = name in ('parameter shards', 'optimizer state', 'module buffers')
-        print(f"  {name + ('' if kept else ' at the peak'):<38}"
-              f"{mib(value):>10}")
+        print(f"  {name + ('' if kept else ' at the peak'):<38}{mib(value):>10}")
     print(f"  {'activations saved for backward':<38}{mib(saved['without_checkpointing']):>10}   (with activation "
           f"checkpointing: {mib(saved['with_checkpointing'])})\n{'peak':<40}{mib(out['peak_bytes']):>10}   in the "
           f"{out['where']}")

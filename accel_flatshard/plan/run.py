@@ -1,15 +1,10 @@
 """The planner's step (``Planner.predict``): the real wrapper, its Schedule and Engine unchanged, trains the
 model for two steps on fake tensors over a fake process group of the planned size (this process is rank 0, the
-fullest shard), with a device adapter that records memory where the real one moves it (``engine.ADAPTER``).
-So every decision of the schedule (what is gathered, prefetched, kept, reduced, freed, and when) is the
-engine's own; nothing of it is restated here.
-
-Adapters: ``"cpu"`` is gloo (point-to-point collectives, no streams: a buffer is free once dropped); ``"cuda"``
-is the real CUDA adapter over streams and events that are numbers: the GPU lags arbitrarily behind the host, so a
-block kept by ``record_stream`` is reusable only once the host synchronised on an event recorded after its free,
-and with offload the host's buffers (and what ops make of host tensors alone: the optimizer step) are not device
-memory.  The last step is measured (optimizer state exists, prefetch follows the recorded order); its
-micro-steps after the second repeat the second, so at most two run.
+fullest shard), with a device adapter that records memory where the real one moves it (``engine.ADAPTER``), so
+every decision of the schedule is the engine's own.  ``"cpu"``: gloo's; ``"cuda"``: the CUDA adapter over streams
+and events that are numbers (the GPU lags arbitrarily: a ``record_stream``'ed block is free once the host waited
+for a later event; offload's host buffers are not device memory).  The last step is measured; its micro-steps
+after the second repeat the second, so at most two run.
 """
 from __future__ import annotations
 
@@ -42,10 +37,12 @@ class Prediction:
     snapshot: int = 0  # host memory: an asynchronous save's snapshot (FLATSHARD_ASYNC_SAVE=1)
 
 
-class _Recording:
-    """The engine's lifetime notes (gathered buffers, full gradients) go to the trace."""
+class _Gloo(HostAdapter):
+    """Gloo's adapter; the engine's notes of lifetimes (gathered buffers, full gradients) go to the trace."""
 
-    trace: _Trace
+    def __init__(self, device: torch.device, trace: _Trace, **kwargs: Any) -> None:
+        self.trace = trace
+        super().__init__(device, **kwargs)
 
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         self.trace.note_alloc(tensor, kind, key)
@@ -54,19 +51,13 @@ class _Recording:
         self.trace.note_free(key, key.unsharded.untyped_storage()._cdata)
 
 
-class _Gloo(_Recording, HostAdapter):
-    def __init__(self, device: torch.device, trace: _Trace) -> None:
-        super().__init__(device)
-        self.trace = trace
-
-
 class _Numbered:
-    """A stream or event of :class:`_Cuda` (the functions ``CudaStreams`` calls)."""
+    """A stream or an event of :class:`_Cuda`."""
 
     def __init__(self, trace: _Trace) -> None:
         self.trace, self.number = trace, -1
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, *args: Any) -> None:
         pass
 
     wait_stream = wait_event
@@ -78,12 +69,12 @@ class _Numbered:
         self.trace.synchronized(self.number)
 
 
-class _Cuda(_Recording, CudaStreams):
+class _Cuda(_Gloo, CudaStreams):
     """``CudaStreams`` with itself as ``torch.cuda``; host buffers and copies as on a GPU."""
 
     def __init__(self, device: torch.device, trace: _Trace) -> None:
-        self.trace, self.compute = trace, _Numbered(trace)
-        super().__init__(device, api=self)
+        self.compute = _Numbered(trace)
+        super().__init__(device, trace, api=self)
 
     def current_stream(self, device: Any = None) -> _Numbered:
         return self.compute
@@ -92,17 +83,13 @@ class _Cuda(_Recording, CudaStreams):
         return _Numbered(self.trace)
 
     Event = Stream
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    stream = HostAdapter.on  # (a null context)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         self.trace.recorded.add(tensor.untyped_storage()._cdata)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.empty(numel, dtype=dtype)
-        self.trace.place_on_host(tensor)
-        return tensor
+        return self.trace.place_on_host(torch.empty(numel, dtype=dtype))
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return torch.empty(host.shape, dtype=host.dtype).copy_(host)
@@ -118,7 +105,7 @@ PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffe
 def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where."""
     cuda = planner.device == "cuda"
-    trace = _Trace(cuda=cuda)
+    trace, best = _Trace(cuda=cuda), Prediction(0, "", {})
     opts = dataclasses.replace(
         planner.options, reshard_after_forward=cfg.reshard_after_forward, forward_prefetch=cfg.forward_prefetch,
         fsdp_group_size=cfg.shard_size if cfg.shard_size < planner.world_size else None, sync_module_states=False,
@@ -127,7 +114,6 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     real = _as_call(planner.make_batch(cfg.micro_batch))  # (held through the step, as by the caller)
     trace.add_real([v for k, v in real[1].items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)
                     and not v.is_floating_point()])
-    best = Prediction(0, "", {})
     adapter = ADAPTER.set(lambda device: (_Cuda if cuda else _Gloo)(device, trace))
     try:
         meta = planner.build()
@@ -144,9 +130,8 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
             foreach = {"foreach": cuda} if "foreach" in inspect.signature(planner.optimizer).parameters else {}
             optimizer = planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
             with trace:
-                _step(planner, cfg, wrapped, optimizer, trace, real, 1)
-                micro_steps = min(planner.batch_size // cfg.micro_batch, 2)
-                _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, best)
+                for micro_steps, measured in ((1, None), (min(planner.batch_size // cfg.micro_batch, 2), best)):
+                    _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, measured)
             if environment.get("FLATSHARD_ASYNC_SAVE"):
                 best.snapshot = _snapshot(wrapped, optimizer, "SHARDED" in planner.options.state_dict_type)
     except Exception as exc:  # noqa: BLE001 - named for the user: the model, the op, and why fake tensors failed
@@ -181,7 +166,6 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
             loss = _loss_of(out)
             del out
             loss.backward()
-            del loss
     trace.kind = "optimizer step"
     optimizer.step()
     optimizer.zero_grad()
@@ -193,20 +177,13 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
 def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) -> None:
     """A new peak: what is held, by kind, and where the step is."""
     for f in wrapped.flat_params:
-        trace.relabel(f.sharded_grad, "gradient shards")
-        trace.relabel(f.unsharded.grad, "full gradients")
+        trace.relabel(f.sharded_grad, "gradient shards"), trace.relabel(f.unsharded.grad, "full gradients")
     best.peak_bytes, best.parts = trace.peak, {kind: trace.kinds[kind] for kind in PARTS}
-    schedule = wrapped._schedule
-    units = [u for u in (schedule.recorded_order or schedule.units) if not u.is_root]
-    if trace.kind == "optimizer step":
-        best.where = trace.kind
-    elif schedule.in_backward:
-        busy = [u for u in units if u.state is UnitState.BACKWARD]
-        done = all(u.state is UnitState.BACKWARD_DONE for u in units)
-        best.where = f"backward of {busy[0].name}" if busy else "end of backward" if done else "backward of <root>"
-    else:
-        busy = [u for u in units if u.state is UnitState.FORWARD]
-        best.where = f"forward of {busy[-1].name if busy else '<root>'}"
+    schedule = wrapped._schedule  # (the innermost unit running: the first of the order in backward, last in forward)
+    phase, state = ("backward", UnitState.BACKWARD) if schedule.in_backward else ("forward", UnitState.FORWARD)
+    busy = [u.name for u in (schedule.recorded_order or schedule.units) if not u.is_root and u.state is state]
+    best.where = trace.kind if trace.kind == "optimizer step" else \
+        f"{phase} of {(busy[0] if phase == 'backward' else busy[-1]) if busy else '<root>'}"
 
 
 def _snapshot(wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, sharded: bool) -> int:

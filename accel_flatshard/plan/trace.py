@@ -17,28 +17,25 @@ from .._compat import TorchDispatchMode, outside_dispatch_modes, tensors_in
 
 
 class _Trace(TorchDispatchMode):
-    """The device's bytes in use after every op (``live``; ``peak`` and ``on_peak`` when it passes the highest
-    so far): the storages ops make (less ``known``'s and, on CUDA, those in host memory), counted by ``kind`` (that
-    of the phase that made them, or :meth:`relabel`), plus what the engine's device adapter notes (plan/run.py): the
-    gathered buffers, which are resized and not made by ops, and on CUDA the blocks a ``record_stream`` keeps
-    until the host synchronised on an event recorded after their free (the GPU lags arbitrarily behind the host)."""
+    """The device's bytes in use (``live``; ``peak``, and ``on_peak()`` when it rises past it) after every op: the
+    storages ops make, by ``kind`` (the phase's, or :meth:`relabel`), less ``known``'s and on CUDA the host's, plus
+    the engine adapter's notes (plan/run.py): gathered buffers (resized, not made by ops) and on CUDA the blocks a
+    ``record_stream`` keeps until the host waited for an event recorded after their free."""
 
-    def __init__(self, known: Sequence[torch.Tensor] = (), cuda: bool = False) -> None:
+    def __init__(self, cuda: bool) -> None:
         super().__init__()
-        self.known = {_key(t) for t in known}
-        self.cuda, self.kind = cuda, "activations"
+        self.known, self.cuda, self.kind = set(), cuda, "activations"  # known: storages not counted
         self.storages: Dict[int, List[Any]] = {}  # key -> [bytes, kind], on the device
         self.kinds: Dict[str, int] = collections.Counter()
-        self.host: set = set()  # storage keys in host memory (CUDA offload): not counted
+        self.host: set = set()  # storage keys in host memory (CUDA offload)
         self.recorded: set = set()  # storage keys a record_stream keeps past their free
         self.gathered: Dict[Any, int] = {}  # the engine's key -> bytes
-        self.lingering: List[Tuple[int, int, str]] = []  # (first event number that covers it, bytes, kind)
-        self.events = 0
-        self.live, self.peak = 0, 0
+        self.lingering: List[Tuple[int, int, str]] = []  # (the first event that frees it, bytes, kind)
+        self.events, self.live, self.peak = 0, 0, 0
         self.on_peak: Optional[Callable[[], None]] = None
         self.failed: Any = None  # the first op that raised (named in the planner's error)
-        self.real: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a real tensor: ops on
-        # these alone run for real (run.py)
+        # id -> a real tensor (a batch's mask): ops on these alone run for real (run.py)
+        self.real: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs, kwargs = tensors_in((args, kwargs)), kwargs or {}
@@ -76,59 +73,57 @@ class _Trace(TorchDispatchMode):
             if isinstance(nbytes, torch.SymInt):  # (fake tensors with symbolic scalars: a size from the values)
                 raise _SizeFromValues()
             if nbytes and key not in self.known and key not in self.host and key not in self.storages:
-                if on_host:
-                    self.host.add(key)
-                else:
-                    self._add(nbytes, self.kind)
-                    self.storages[key] = [nbytes, self.kind]
+                self.host.add(key) if on_host else self._add(nbytes, self.kind, key)
                 weakref.finalize(storage, self._died, key)
 
-    def _add(self, nbytes: int, kind: str) -> None:
+    def _add(self, nbytes: int, kind: str, key: Optional[int] = None) -> None:
         self.kinds[kind] += nbytes
         self.live += nbytes
+        if key is not None:
+            self.storages[key] = [nbytes, kind]
 
     def _died(self, key: int) -> None:
         self.host.discard(key)
         self._free(key, *self.storages.pop(key, (0, self.kind)))
 
     def _free(self, key: int, nbytes: int, kind: str) -> None:
-        if key in self.recorded:  # reusable once the host waits for an event recorded from now on
+        if key in self.recorded:  # reusable once the host waited for an event recorded from now on
             self.recorded.discard(key)
             self.lingering.append((self.events, nbytes, kind))
         else:
             self._add(-nbytes, kind)
-
-    def relabel(self, tensor: Optional[torch.Tensor], kind: str) -> None:
-        entry = self.storages.get(_key(tensor)) if tensor is not None else None
-        if entry is not None and entry[1] != kind:
-            self.kinds[entry[1]] -= entry[0]
-            self.kinds[kind] += entry[0]
-            entry[1] = kind
-
-    def place_on_host(self, tensor: torch.Tensor) -> None:
-        key = _key(tensor)
-        if key not in self.storages:  # (made outside the trace)
-            weakref.finalize(tensor.untyped_storage(), self._died, key)
-        nbytes, kind = self.storages.pop(key, (0, self.kind))
-        self._add(-nbytes, kind)
-        self.host.add(key)
-
-    # the device adapter's notes (plan/run.py)
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
-        if kind == "unsharded":
-            self.gathered[key] = tensor.untyped_storage().nbytes()
-            self._add(self.gathered[key], "gathered units")
-        else:  # a full gradient cast for its reduction
-            self.relabel(tensor, "full gradients")
-
-    def note_free(self, key: Any, storage_key: int) -> None:
-        self._free(storage_key, self.gathered.pop(key, 0), "gathered units")
 
     def synchronized(self, event: int) -> None:
         """The host waited for an event: the blocks freed before it was recorded are reusable."""
         for entry in [e for e in self.lingering if e[0] <= event]:
             self.lingering.remove(entry)
             self._add(-entry[1], entry[2])
+
+    def relabel(self, tensor: Optional[torch.Tensor], kind: str) -> None:
+        entry = self.storages.get(_key(tensor)) if tensor is not None else None
+        if entry is not None:
+            self.kinds[entry[1]] -= entry[0]
+            self.kinds[kind] += entry[0]
+            entry[1] = kind
+
+    def place_on_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _key(tensor)
+        if key not in self.storages:  # (made outside the trace)
+            weakref.finalize(tensor.untyped_storage(), self._died, key)
+        self._add(-self.storages.get(key, (0,))[0], self.storages.pop(key, (0, self.kind))[1])
+        self.host.add(key)
+        return tensor
+
+    # the device adapter's notes: a gathered buffer, a full gradient cast for its reduction
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
+        if kind == "unsharded":
+            self.gathered[key] = tensor.untyped_storage().nbytes()
+            self._add(self.gathered[key], "gathered units")
+        else:
+            self.relabel(tensor, "full gradients")
+
+    def note_free(self, key: Any, storage_key: int) -> None:
+        self._free(storage_key, self.gathered.pop(key, 0), "gathered units")
 
 
 class _SizeFromValues(Exception):
