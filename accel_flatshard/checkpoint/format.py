@@ -1,10 +1,6 @@
-"""What every checkpoint reader and writer shares: the errors a failed save or load raises
-(:class:`CheckpointError`, :class:`UnsafeCheckpointError`), the dtype names checkpoints record
-(:func:`dtype_to_str` / :func:`str_to_dtype`) and :func:`agree` (every rank raises when one fails).
-
-It imports nothing of the package but ``comm``: ``state_dict/`` (in-memory dicts, a layer below ``checkpoint/``)
-raises these errors too, and imports this module alone.
-"""
+"""What every checkpoint reader and writer shares: the errors a failed save or load raises, the dtype names
+checkpoints record and :func:`agree` (every rank raises when one fails).  It imports only ``comm``: ``state_dict/``
+(in-memory dicts, a layer below ``checkpoint/``) raises these errors too, and imports this module alone."""
 from __future__ import annotations
 
 from typing import Union
