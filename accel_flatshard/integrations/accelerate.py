@@ -247,14 +247,7 @@ class Accelerator(_BaseAccelerator):
         if not any(getattr(p, "_flatshard_group", None) is not None for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         self.unscale_gradients()
-        for model in self._models:
-            if isinstance(model, FullyShardedDataParallel):
-                own = list(model.parameters())
-                if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
-                    return model.clip_grad_norm_(max_norm, norm_type)
-        # a subset (e.g. one param group) or parameters of several models: still one global norm over
-        # every rank's shards of all of them
-        return clip_grad_norm_(params, max_norm, norm_type)
+        return clip_grad_norm_(params, max_norm, norm_type)  # (each model's part on its own group and device)
 
     def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
         """Elementwise, so clipping each rank's shard is exact (accelerate refuses this for torch FSDP)."""
