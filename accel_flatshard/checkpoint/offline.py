@@ -105,13 +105,15 @@ def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, st
         model = AutoModelForCausalLM.from_pretrained("hf_out")
     """
     directory, meta, _ = open_checkpoint(checkpoint_dir, "model")
-    shapes = {k: torch.empty(d["shape"], dtype=str_to_dtype(d["dtype"]), device="meta") for k, d in meta["tensors"].items()}
+    shapes = {k: torch.empty(d["shape"], dtype=str_to_dtype(d["dtype"]), device="meta")
+              for k, d in meta["tensors"].items()}
     return _write_hf_safetensors(out_dir, shapes, lambda names: dict(read_full_tensors(
         directory, names, max_batch_bytes=math.inf, verify_checksums=verify_checksums)), max_shard_size)
 
 
 def _write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor],
-                          read: Callable[[List[str]], Dict[str, torch.Tensor]], max_shard_size: Union[int, str]) -> List[str]:
+                          read: Callable[[List[str]], Dict[str, torch.Tensor]],
+                          max_shard_size: Union[int, str]) -> List[str]:
     """Hugging Face layout in ``out_dir`` (see the module doc).  ``shapes``: name -> a tensor of the right shape and
     dtype (meta is fine), in output order; ``read(names)`` returns one output file's real tensors.  Every file is
     written atomically; stale files of an earlier split are removed."""
@@ -130,7 +132,8 @@ def _write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor],
         write_json_atomic(os.path.join(out_dir, INDEX_NAME),
                           {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2)
         files.append(INDEX_NAME)
-    stale = {SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))}
+    existing = glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))
+    stale = {SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in existing}
     for name in stale - set(files):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
@@ -178,7 +181,8 @@ def read_save_state_info(directory: str) -> Dict[str, Any]:
                                  "file_bytes": _size(path)}
         if entry["layout"] == "sharded":
             info = read_checkpoint_info(path)  # raises for an incomplete directory
-            entry.update({k: info.get(k) for k in ("world_size", "model_class", "optimizer_class", "tensors", "total_bytes")})
+            keys = ("world_size", "model_class", "optimizer_class", "tensors", "total_bytes")
+            entry.update({k: info.get(k) for k in keys})
         elif kind == "model":
             tensors = _load_full(path)
             entry["tensors"] = {k: {"shape": list(v.shape), "dtype": dtype_to_str(v.dtype)}
@@ -194,8 +198,9 @@ def consolidate_save_state(directory: str, out_dir: str, max_shard_size: Union[i
     models = read_save_state_info(directory)["models"]
     if len(models) != 1:
         listing = ", ".join(m["name"] for m in models) or "none"
+        example = os.path.join(directory, models[0]["name"]) if models else directory
         raise CheckpointError(f"{directory}: holds {len(models)} models ({listing}); consolidate one of them, e.g. "
-                              f"`accel-flatshard consolidate {os.path.join(directory, models[0]['name']) if models else directory} OUT`")
+                              f"`accel-flatshard consolidate {example} OUT`")
     if models[0]["layout"] == "sharded":
         return consolidate(models[0]["path"], out_dir, max_shard_size=max_shard_size, verify_checksums=verify_checksums)
     tensors = _unique(_load_full(models[0]["path"]))

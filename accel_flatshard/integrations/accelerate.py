@@ -96,7 +96,8 @@ class Accelerator(_BaseAccelerator):
             patches.install()
         # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
         # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
-        without_device = bool(params.get("cpu")) or options.env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+        without_device = (bool(params.get("cpu")) or options.env_flag("ACCELERATE_USE_CPU")
+                          or not torch.cuda.is_available())
         if without_device:
             if plugin is None:
                 plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
@@ -260,7 +261,8 @@ class Accelerator(_BaseAccelerator):
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
 
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
         """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded, but
         its ``state_dict()`` gathers the full one (collective: call on every rank; rank 0 gets it, the
         others ``{}``), so ``save_pretrained(dir, is_main_process=...)`` on every rank writes the full

@@ -373,7 +373,8 @@ def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any],
 def build_plugin_without_device(plugin_cls: type) -> Any:
     """accelerate's plugin built from the ``FSDP_*`` variables on any host: ``plugin_cls()`` initialised by
     :func:`post_init_without_device` (which the ``plugin_post_init`` patch installs only under ``register()``)."""
-    building = type(plugin_cls.__name__, (plugin_cls,), {"__post_init__": post_init_without_device(plugin_cls.__post_init__)})
+    post_init = post_init_without_device(plugin_cls.__post_init__)
+    building = type(plugin_cls.__name__, (plugin_cls,), {"__post_init__": post_init})
     plugin = building()
     plugin.__class__ = plugin_cls
     return plugin
