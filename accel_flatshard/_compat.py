@@ -51,13 +51,6 @@ def outside_dispatch_modes() -> Any:
     return _disable_current_modes()
 
 
-def fake_mode_with_scalars() -> Any:
-    """Fake tensors whose ``.item()`` is symbolic (torch.optim's steps read their step counter)."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-
-
 def dynamo_counters() -> Any:
     """dynamo's event counters (``torch._dynamo.utils.counters``): ``counters["graph_break"]`` and
     ``counters["unimplemented"]`` map reasons to counts; ``counters["stats"]["unique_graphs"]`` counts compiled

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import options as environment
-from .._compat import fake_mode_with_scalars, fake_world, map_tensors, tensors_in
+from .._compat import FakeTensorMode, fake_world, map_tensors, tensors_in
 from ..checkpoint.commit import snapshot_bytes
 from ..checkpoint.sharded import model_entries, optimizer_entries
 from ..engine import ADAPTER, CudaStreams, HostAdapter
@@ -27,6 +27,7 @@ from ..state_dict.optim import full_optim_state_dict
 from ..unit import BackwardPrefetch, UnitState
 from ..wrap import checkpoint_units
 from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
+
 
 @dataclasses.dataclass
 class Prediction:
@@ -41,14 +42,8 @@ class _Gloo(HostAdapter):
     """Gloo's adapter; the engine's notes of lifetimes (gathered buffers, full gradients) go to the trace."""
 
     def __init__(self, device: torch.device, trace: _Trace, **kwargs: Any) -> None:
-        self.trace = trace
+        self.trace, self.note_alloc, self.note_free = trace, trace.note_alloc, trace.note_free
         super().__init__(device, **kwargs)
-
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        self.trace.note_alloc(tensor, kind, key)
-
-    def note_free(self, key: Any) -> None:
-        self.trace.note_free(key, key.unsharded.untyped_storage()._cdata)
 
 
 class _Numbered:
@@ -91,11 +86,8 @@ class _Cuda(_Gloo, CudaStreams):
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.trace.place_on_host(torch.empty(numel, dtype=dtype))
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:  # (a copy: the fake device is the host's)
         return torch.empty(host.shape, dtype=host.dtype).copy_(host)
-
-    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(src)
 
 
 PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffers", "gathered units", "full gradients",
@@ -117,7 +109,8 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     adapter = ADAPTER.set(lambda device: (_Cuda if cuda else _Gloo)(device, trace))
     try:
         meta = planner.build()
-        with fake_world(planner.world_size, "fake_nccl_gloo" if cuda else "fake_gloo"), fake_mode_with_scalars(), \
+        with fake_world(planner.world_size, "fake_nccl_gloo" if cuda else "fake_gloo"), \
+                FakeTensorMode(allow_non_fake_inputs=True), \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
             model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))

@@ -29,7 +29,6 @@ class _Trace(TorchDispatchMode):
         self.kinds: Dict[str, int] = collections.Counter()
         self.host: set = set()  # storage keys in host memory (CUDA offload)
         self.recorded: set = set()  # storage keys a record_stream keeps past their free
-        self.gathered: Dict[Any, int] = {}  # the engine's key -> bytes
         self.lingering: List[Tuple[int, int, str]] = []  # (the first event that frees it, bytes, kind)
         self.events, self.live, self.peak = 0, 0, 0
         self.on_peak: Optional[Callable[[], None]] = None
@@ -70,8 +69,6 @@ class _Trace(TorchDispatchMode):
         for t in tensors:
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
-            if isinstance(nbytes, torch.SymInt):  # (fake tensors with symbolic scalars: a size from the values)
-                raise _SizeFromValues()
             if nbytes and key not in self.known and key not in self.host and key not in self.storages:
                 self.host.add(key) if on_host else self._add(nbytes, self.kind, key)
                 weakref.finalize(storage, self._died, key)
@@ -114,20 +111,16 @@ class _Trace(TorchDispatchMode):
         self.host.add(key)
         return tensor
 
-    # the device adapter's notes: a gathered buffer, a full gradient cast for its reduction
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any) -> None:
+    # the device adapter's notes: a gathered buffer (of a flat parameter), a full gradient cast for its reduction
+    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if kind == "unsharded":
-            self.gathered[key] = tensor.untyped_storage().nbytes()
-            self._add(self.gathered[key], "gathered units")
+            self._add(tensor.untyped_storage().nbytes(), "gathered units", _key(tensor))
         else:
             self.relabel(tensor, "full gradients")
 
-    def note_free(self, key: Any, storage_key: int) -> None:
-        self._free(storage_key, self.gathered.pop(key, 0), "gathered units")
-
-
-class _SizeFromValues(Exception):
-    pass
+    def note_free(self, flat: Any) -> None:
+        key = _key(flat.unsharded)
+        self._free(key, *self.storages.pop(key, (0, "gathered units")))
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -159,11 +152,11 @@ def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tenso
 def _why_fake_failed(op: Any, exc: Exception) -> str:
     """The op that did not run on fake tensors, and why (fake tensors have shapes and dtypes, no values)."""
     kind = type(exc).__name__
-    if kind in ("DynamicOutputShapeException", "_SizeFromValues"):
+    if kind == "DynamicOutputShapeException":
         why = (f"{op}'s output shape depends on the tensor values (as nonzero, masked_select, unique do), which fake "
                "tensors do not have: the memory depends on the data (a transformers MoE model on its eager experts "
                "path loops over the experts hit: experts_implementation='grouped_mm', its default, plans)")
-    elif kind in ("DataDependentOutputException", "GuardOnDataDependentSymNode"):
+    elif kind == "DataDependentOutputException":
         why = (f"{op} reads tensor values (.item(), bool(tensor), Python branching on them), which fake tensors do "
                "not have")
     elif op is not None:
