@@ -304,7 +304,7 @@ class Engine:
             with s.on(self.reduce_scatter_stream):
                 shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
 
-            def issue(async_op: bool) -> Any:
+            def issue(async_op: bool, shard_out: torch.Tensor = shard_out, full: torch.Tensor = full) -> Any:
                 work = self.group.reduce_scatter(shard_out, full, async_op=async_op)
                 if not async_op:
                     self.group.take_reduced_shard(shard_out, full)
