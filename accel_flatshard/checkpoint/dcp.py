@@ -1,29 +1,21 @@
 """torch.distributed.checkpoint (DCP) for flat-parameter shards: planners, storage layer, and every DCP internal used.
 
-The state dict handed to DCP maps a key (a parameter's name, or ``state.<name>.<key>`` for optimizer state) to
-either a :class:`FlatRange` - elements ``[start, start + local.numel())`` of a row-major tensor of ``shape``,
-held in the 1-D tensor ``local`` (a rank's piece of a flat parameter or of its optimizer state) - or a plain
-tensor that every rank has whole (a buffer, an optimizer ``step``).  On save each range becomes at most
-``2 * ndim - 1`` rectangular chunks of the true shape (:func:`range_to_chunks`), so DCP's metadata holds an
-ordinary tensor for every key, whatever world size wrote it; on load each rank asks only for the saved chunks
-that intersect its own ranges - that is the resharding::
+The state dict handed to DCP maps a key (a parameter's name, or ``state.<name>.<key>``) to a :class:`FlatRange`
+(a rank's piece of a flat parameter or of its optimizer state) or to a plain tensor every rank has whole (a
+buffer, an optimizer ``step``).  On save each range becomes at most ``2 * ndim - 1`` rectangular chunks of the
+true shape (:func:`range_to_chunks`), so DCP's metadata holds an ordinary tensor for every key, whatever world
+size wrote it; on load each rank asks only for the saved chunks that intersect its own ranges (the resharding)::
 
     shape (4, 5), range [7, 18):        row 1, cols 2..4   -> offsets (1, 2) sizes (1, 3)
                                         rows 2..2, all     -> offsets (2, 0) sizes (1, 5)
                                         row 3, cols 0..2   -> offsets (3, 0) sizes (1, 3)
 
-DCP internals (checked on torch 2.13; this is the only module that touches them): ``filesystem._StorageInfo``
-(the per-item record in ``Metadata.storage_data``) and ``DEFAULT_SUFFIX`` let our writer's ``write_data`` and
-reader's ``read_data`` replace DCP's loops while keeping its file format (stock tools such as
-``dcp_to_torch_save`` read our checkpoints): the writer holds one chunk copy at a time (DCP 2.13 keeps every copy
-until the rank's file is done) and checksums while writing; the reader takes metadata we already loaded through
-an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load`` it) and reads each needed item once,
-checking its CRC32.  ``api.CheckpointException`` (every rank's errors) is turned back into the failing rank's own.
-
-Example::
-
-    entries = {"lm_head.weight": FlatRange(local_piece, start=piece.param_start, shape=(50257, 768))}
-    writer = dcp_save(entries, tmp_dir, FlatSavePlanner(), group)   # writer.written: (file, offset, length, crc32)
+DCP internals (checked on torch 2.13; only this module touches them): ``filesystem._StorageInfo`` and
+``DEFAULT_SUFFIX`` let our ``write_data`` / ``read_data`` replace DCP's loops yet keep its file format (stock
+tools such as ``dcp_to_torch_save`` read our checkpoints): the writer holds one chunk copy at a time (DCP 2.13
+keeps every copy until the rank's file is done) and checksums while writing; the reader takes metadata we loaded
+through an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load`` it) and reads each needed item
+once, checking its CRC32.  ``api.CheckpointException`` (every rank's errors) becomes the failing rank's own.
 """
 from __future__ import annotations
 
@@ -123,14 +115,10 @@ def flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:
 def intersect(a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int],
               b_sizes: Sequence[int]) -> Optional[Tuple[Shape, Shape]]:
     """The intersection of two rectangles as ``(offsets, sizes)``, or None when it is empty."""
-    lo, size = [], []
-    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes):
-        low, high = max(ao, bo), min(ao + asz, bo + bsz)
-        if high <= low:
-            return None
-        lo.append(low)
-        size.append(high - low)
-    return tuple(lo), tuple(size)
+    lo = tuple(max(ao, bo) for ao, bo in zip(a_offsets, b_offsets))
+    size = tuple(min(ao + asz, bo + bsz) - low
+                 for ao, asz, bo, bsz, low in zip(a_offsets, a_sizes, b_offsets, b_sizes, lo))
+    return None if any(n <= 0 for n in size) else (lo, size)
 
 
 def _is_flat_run(sizes: Sequence[int], shape: Sequence[int]) -> bool:
@@ -460,11 +448,8 @@ def dcp_save(state_dict: Dict[str, Entry], directory: str, planner: SavePlanner,
              group: Optional[dist.ProcessGroup]) -> RecordingWriter:
     """Run DCP's save with ``planner`` and our writer (``group=None``: one process); returns the writer."""
     writer = RecordingWriter(directory)
-    with warnings.catch_warnings(), _reraise_plainly("save", directory):
-        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
-                 no_dist=group is None)
+    with _plain_dcp("save", directory):
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
     return writer
 
 
@@ -473,24 +458,26 @@ def dcp_load(state_dict: Dict[str, Entry], directory: str, metadata: Metadata, p
     """Run DCP's load with ``planner`` and the already validated metadata (``group=None``: offline);
     ``crcs`` maps ``(file, offset, length)`` to the CRC32 every item read must have (None: no check)."""
     reader = _PreloadedReader(directory, metadata, crcs)
-    with warnings.catch_warnings(), _reraise_plainly("load", directory):
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group,
-                 no_dist=group is None)
+    with _plain_dcp("load", directory):
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
 
 
 @contextlib.contextmanager
-def _reraise_plainly(what: str, directory: str) -> Iterator[None]:
-    """Turn DCP's ``CheckpointException`` (a BaseException carrying every rank's error) into the first
-    rank's own exception when it is ours, else a :class:`CheckpointError` that names the ranks."""
-    try:
-        yield
-    except CheckpointException as exc:
-        failures = exc.failures
-        first_rank = min(failures)
-        inner = failures[first_rank][0] if isinstance(failures[first_rank], tuple) else failures[first_rank]
-        if isinstance(inner, CheckpointError):
-            raise type(inner)(str(inner)) from exc
-        raise CheckpointError(
-            f"DCP {what} of {directory} failed on ranks {sorted(failures)}; rank {first_rank}: "
-            f"{type(inner).__name__}: {inner}") from exc
+def _plain_dcp(what: str, directory: str) -> Iterator[None]:
+    """Silence DCP's warnings about what we chose (overwrite, no process group), and turn its
+    ``CheckpointException`` (a BaseException carrying every rank's error) into the first rank's own exception
+    when it is ours, else a :class:`CheckpointError` that names the ranks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            yield
+        except CheckpointException as exc:
+            failures = exc.failures
+            first_rank = min(failures)
+            inner = failures[first_rank][0] if isinstance(failures[first_rank], tuple) else failures[first_rank]
+            if isinstance(inner, CheckpointError):
+                raise type(inner)(str(inner)) from exc
+            raise CheckpointError(
+                f"DCP {what} of {directory} failed on ranks {sorted(failures)}; rank {first_rank}: "
+                f"{type(inner).__name__}: {inner}") from exc
