@@ -1,11 +1,10 @@
 """Sharded checkpoints of a model and its optimizer with DCP: no gather on save, any world size on load.
 
 Each rank writes only its own slices (with hybrid sharding only shard group 0 writes): parameter ``name`` under
-the DCP key ``name``, buffers (rank 0) under theirs; per-element optimizer state (``exp_avg``,
-``momentum_buffer``, ...) under ``state.<name>.<key>``, 0-dim state (``step``) under the same kind of key,
-written once.  DCP's metadata describes each as a tensor of its true shape made of rectangular chunks
-(``dcp.py``), so a load at any world size or hybrid group size reads, on each rank, only the chunks that overlap
-its own slices.  Directory layout::
+the DCP key ``name``, buffers (rank 0) under theirs, optimizer state under ``state.<name>.<key>`` (0-dim state
+such as ``step`` written once).  DCP's metadata describes each as a tensor of its true shape made of rectangular
+chunks (``dcp.py``), so a load at any world size or hybrid group size reads, on each rank, only the chunks that
+overlap its own slices.  Directory layout::
 
     ckpt/
       __0_0.distcp  __1_0.distcp ...   tensor data, one file per rank (DCP, torch.save per chunk)
@@ -13,13 +12,10 @@ its own slices.  Directory layout::
       flatshard.json                   ours, written last: format, world size, tensors, checksums (and for an
                                        optimizer its param groups and plain-Python state values)
 
-:func:`save_entries` (collective): every rank writes its entries into ``<dir>.tmp-<random>`` and checksums what
-it wrote; rank 0 writes ``flatshard.json`` last and ``atomic.commit_dir`` renames the directory into place (a
-crash leaves the previous checkpoint complete, :func:`resolve_checkpoint_dir` finds it).  :func:`open_checkpoint`
-+ :func:`load_entries`: read ``flatshard.json``, check ``.metadata``'s size and checksum, unpickle it through an
-allow-list (:func:`load_metadata_safely`: DCP's metadata classes and torch dtypes only), plan this rank's reads,
-check that the files it needs exist with their recorded sizes, then let DCP read (each item once, its CRC32
-checked).  Errors name the file or key; every rank raises when any rank fails (none is left waiting).
+A save builds ``<dir>.tmp-<random>`` and renames it into place (:func:`save_entries`: a crash leaves the previous
+checkpoint complete); a load checks sizes and checksums, unpickles ``.metadata`` through an allow-list and lets
+DCP read (:func:`open_checkpoint`, :func:`load_entries`).  Errors name the file or key; every rank raises when
+any rank fails (none is left waiting).
 
 Example::
 
@@ -31,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 import pickle
@@ -39,7 +34,7 @@ import shutil
 import time
 import warnings
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -65,11 +60,7 @@ FORMAT_VERSION = 1
 
 
 def save_sharded_model(model: nn.Module, directory: str) -> None:
-    """Write this rank's shards of every parameter (and rank 0 the buffers) to ``directory``.
-
-    Collective.  Atomic: the data goes to ``<directory>.tmp-<random>``, which replaces ``directory``
-    only once complete.
-    """
+    """Write this rank's shards of every parameter (rank 0: the buffers) to ``directory`` (collective, atomic)."""
     group, entries, meta = model_entries(model)
     save_entries(group, directory, entries, meta)
 
@@ -153,12 +144,11 @@ def _load(model: nn.Module, directory: str, kind: str, verify_checksums: bool,
 
 
 def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, verify_checksums: bool = True) -> None:
-    """Load a checkpoint written by :func:`save_sharded_model` at any world size into ``model``.
+    """Load a checkpoint of :func:`save_sharded_model`, saved at any world size, into ``model`` (collective).
 
-    Collective.  Each rank reads only the saved chunks that overlap its own slices.  Checks first (and raises
-    on every rank, naming key or file): keys (``strict``: none missing, none unexpected; otherwise missing ones
-    keep their values), shapes and dtypes, file sizes and checksums of the bytes this rank reads
-    (``verify_checksums=False`` skips the checksums), DCP metadata safety.
+    Checks first, and raises on every rank naming key or file: keys (``strict``: none missing, none unexpected;
+    else missing ones keep their values), shapes and dtypes, file sizes, DCP metadata safety, and the checksums of
+    the bytes this rank reads (unless ``verify_checksums=False``).
     """
     def targets(index: ModelIndex, meta: Dict[str, Any]) -> Dict[str, Entry]:
         saved: Dict[str, Any] = meta["tensors"]
@@ -195,10 +185,9 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
                            verify_checksums: bool = True) -> None:
     """Load optimizer state saved by :func:`save_sharded_optimizer` at any world size (collective).
 
-    The optimizer must have the same param groups, by parameter name, as the one that saved; its
-    hyperparameters (lr, betas, weight_decay, ...) are restored from the checkpoint.  Existing state
-    tensors of the right size are filled in place (so the state is not held twice); if reading fails
-    half-way (a corrupt file), model or optimizer state may be partly loaded.
+    The optimizer must have the same param groups, by parameter name, as the one that saved; its hyperparameters
+    (lr, betas, ...) are restored.  Existing state tensors of the right size are filled in place (the state is not
+    held twice); if reading fails half-way (a corrupt file), the optimizer state may be partly loaded.
     """
     names: List[List[str]] = []
 
@@ -309,29 +298,21 @@ def _crc32_of_file(path: str, block: int = 16 << 20) -> int:
     return crc
 
 
-def _verify_items(directory: str, files: Dict[str, Any], needed: Iterable[Tuple[str, int, int]]) -> List[str]:
-    """Check that every needed ``(file, offset, length)`` is listed, its file has the recorded size and a
-    checksum is recorded for it; returns the problems found.  (The CRC itself is checked while reading.)"""
+def _verify_items(directory: str, files: Dict[str, Any], crcs: Dict[Tuple[str, int, int], int],
+                  needed: List[Tuple[str, int, int]]) -> List[str]:
+    """The problems of the needed ``(file, offset, length)`` items: files not listed, missing or not of their
+    recorded size, items without a recorded checksum.  (The CRC itself is checked while reading.)"""
     problems: List[str] = []
-    crcs = {name: {(o, n): c for o, n, c in entry.get("items", [])} for name, entry in files.items()}
-    seen_size = set()
-    for name, offset, length in needed:
+    for name in sorted({name for name, _, _ in needed}):
         path = os.path.join(directory, name)
         if name not in files:
             problems.append(f"{path}: not listed in {META_FILE} (the checkpoint was modified)")
-            continue
-        if name not in seen_size:
-            seen_size.add(name)
-            if not os.path.isfile(path):
-                problems.append(f"{path}: missing")
-                continue
-            size = os.path.getsize(path)
-            if size != files[name]["size"]:
-                problems.append(f"{path}: size is {size} bytes, expected {files[name]['size']} (truncated or modified)")
-                continue
-        if crcs[name].get((offset, length)) is None:
-            problems.append(f"{path}: no checksum recorded for bytes [{offset}, {offset + length})")
-    return problems
+        elif not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+        elif (size := os.path.getsize(path)) != files[name]["size"]:
+            problems.append(f"{path}: size is {size} bytes, expected {files[name]['size']} (truncated or modified)")
+    return problems + [f"{os.path.join(directory, name)}: no checksum recorded for bytes [{offset}, {offset + length})"
+                       for name, offset, length in needed if name in files and (name, offset, length) not in crcs]
 
 
 # ---------------------------------------------------------------------- DCP metadata, unpickled safely
@@ -368,11 +349,9 @@ def load_metadata_safely(path: str) -> Metadata:
     """Read DCP's ``.metadata`` pickle through the allow-list unpickler and check its structure."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            md = _AllowListUnpickler(f, path).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: DCP metadata file is missing (the checkpoint is incomplete)") from None
-    try:
-        md = _AllowListUnpickler(io.BytesIO(data), path).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or corrupt pickle
@@ -399,10 +378,8 @@ def load_metadata_safely(path: str) -> Metadata:
 # ---------------------------------------------------------------------- writing and reading a directory
 def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[str, Any]) -> None:
     """Collective: write ``entries`` (this rank's share) and ``meta`` as a complete checkpoint at ``directory``.
-
-    ``group`` is the model's ShardGroup (its world group coordinates DCP; None: one process).  ``meta`` is
-    completed with format, world size and checksums and written by rank 0 as the last file.
-    """
+    ``group``: the model's ShardGroup (None: one process); rank 0 adds format, world size and checksums to
+    ``meta`` and writes it last."""
     world = None if group is None else group.world_group
     rank, size = (0, 1) if group is None else (group.world_rank, group.world_size)
     tmp = comm.broadcast_object(world, new_tmp_dir(directory) if rank == 0 else None)
@@ -452,22 +429,20 @@ def open_checkpoint(directory: str, kind: str) -> Tuple[str, Dict[str, Any], Met
     md_path = os.path.join(directory, METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointError(f"{md_path}: DCP metadata file is missing")
-    size = os.path.getsize(md_path)
-    if size != info.get("size"):
+    if (size := os.path.getsize(md_path)) != info.get("size"):
         raise CheckpointError(f"{md_path}: {size} bytes, {META_FILE} says {info.get('size')} (truncated or replaced)")
     if _crc32_of_file(md_path) != info.get("crc32"):
         raise CheckpointError(f"{md_path}: checksum mismatch (corrupt, or from another save)")
     md = load_metadata_safely(md_path)
     for key, desc in meta["tensors"].items():
-        dcp_key = desc.get("dcp_key", key)
         if int(torch.Size(desc["shape"]).numel()) == 0:
             continue
-        entry = md.state_dict_metadata.get(dcp_key)
+        entry = md.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{md_path}: has no tensor {dcp_key!r} that {META_FILE} lists")
+            raise CheckpointError(f"{md_path}: has no tensor {key!r} that {META_FILE} lists")
         if list(entry.size) != list(desc["shape"]) or dtype_to_str(entry.properties.dtype) != desc["dtype"]:
             raise CheckpointError(
-                f"{md_path}: {dcp_key!r} is {tuple(entry.size)} {entry.properties.dtype}, but {META_FILE} says "
+                f"{md_path}: {key!r} is {tuple(entry.size)} {entry.properties.dtype}, but {META_FILE} says "
                 f"{tuple(desc['shape'])} {desc['dtype']} (files from different saves?)")
     return directory, meta, md
 
@@ -479,13 +454,13 @@ def load_entries(group, directory: str, meta: Dict[str, Any], md: Optional[Metad
     world = None if group is None else group.world_group
     if error is None:
         try:
+            crcs = {(name, o, n): c for name, entry in meta["files"].items() for o, n, c in entry.get("items", [])}
             records = storage_records(md, directory)
             needed = sorted({records[r.storage_index] for r in plan_reads(entries, md)})
-            problems = _verify_items(directory, meta["files"], needed)  # CRCs: checked while reading
+            problems = _verify_items(directory, meta["files"], crcs, needed)
             if problems:
                 error = CheckpointError("checkpoint files are damaged:\n  " + "\n  ".join(problems))
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
-    agree(world, error)
-    crcs = {(name, o, n): c for name, entry in meta["files"].items() for o, n, c in entry.get("items", [])}
+    agree(world, error)  # raises on every rank unless every rank got through the checks (crcs is set)
     dcp_load(entries, directory, md, FlatLoadPlanner(), world, crcs if verify_checksums else None)
