@@ -1,10 +1,7 @@
 """Process groups and collectives: the only module that calls torch.distributed collectives.
 
-A :class:`ShardGroup` bundles the group that parameters are sharded over (``shard_group``, size G)
-and, for hybrid sharding, the group of ranks that hold the same shard in other shard groups
-(``replica_group``, size W/G).  It exposes the three collectives the engine needs - all-gather of
-shards, reduce-scatter of gradients, all-reduce across replicas - each returning a handle with
-``wait()``, and picks the implementation the installed torch and backend provide.
+A :class:`ShardGroup` holds the shard group (size G) and, for hybrid sharding, the replica group (the ranks
+holding the same shard, size W/G), and runs the engine's collectives with the torch and backend at hand.
 """
 from __future__ import annotations
 
@@ -52,21 +49,13 @@ _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or
 class ShardGroup:
     """The shard group and optional replica group of one wrapped model.
 
-    ``shard_size=None`` (or the full world size) shards over every rank of ``process_group``;
-    ``shard_size=G`` builds W/G shard groups of G consecutive ranks and G replica groups that connect
-    rank ``i`` of every shard group (HYBRID_SHARD).  Gradients are averaged over all W ranks.
-    """
+    ``shard_size=None`` (or the world size) shards over every rank of ``process_group``; ``shard_size=G`` builds
+    W/G shard groups of G consecutive ranks and G replica groups joining rank ``i`` of each (HYBRID_SHARD)."""
 
-    def __init__(
-        self,
-        process_group: Optional[dist.ProcessGroup] = None,
-        shard_size: Optional[int] = None,
-    ) -> None:
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, shard_size: Optional[int] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "accel_flatshard needs torch.distributed to be initialised: call "
-                "torch.distributed.init_process_group(...) (or use accelerate launch / torchrun) first"
-            )
+            raise RuntimeError("accel_flatshard needs torch.distributed to be initialised: call "
+                               "torch.distributed.init_process_group(...) (or use accelerate launch / torchrun) first")
         self.world_group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.world_group)
         self.world_rank = dist.get_rank(self.world_group)
@@ -93,13 +82,11 @@ class ShardGroup:
         self.shard_rank = dist.get_rank(self.shard_group)
         # gloo's all_gather_single / reduce_scatter_single stage through temporaries (152 MiB: 262 / 165 ms,
         # all-reduce 88 ms; isend/irecv straight into / out of the slots 99 ms, benchmarks/comm_bench.py): on
-        # gloo both run as point-to-point batches; FLATSHARD_GLOO_P2P=0 falls back to the collectives, and then
-        # FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE=1 reduces by all-reduce + slice.
+        # gloo both run as point-to-point batches unless FLATSHARD_GLOO_P2P=0.
         p2p = options.get("FLATSHARD_GLOO_P2P")
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
         self.reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE") and not self.via_p2p
-        self.bytes_gathered = 0  # counters for tests and the profiler
-        self.bytes_reduced = 0
+        self.bytes_gathered = self.bytes_reduced = 0  # counters for tests and the profiler
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
         self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
 
@@ -131,10 +118,8 @@ class ShardGroup:
         return work if async_op else DONE
 
     def _all_gather_p2p(self, output: torch.Tensor, shard: torch.Tensor) -> "_Works":
-        """All-gather as one batch of sends and receives straight into the output's slots.
-
-        Safe to overlap with other batches: every rank posts the same sequence of transfers, and
-        transfers between one pair of ranks with one tag are matched in order."""
+        """All-gather as one batch of sends and receives straight into the output's slots (safe to overlap
+        other batches: every rank posts the same transfers, matched in order per pair of ranks and tag)."""
         slots = output.chunk(self.shard_size)
         slots[self.shard_rank].copy_(shard)
         ops = []
@@ -167,11 +152,8 @@ class ShardGroup:
         return _Works(dist.batch_isend_irecv(ops), then=sum_into_output)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
-        """Sum ``full`` over the shard group; this rank's slice lands in ``output``.
-
-        Where all-reduce is the faster collective (gloo), ``full`` is all-reduced in place and
-        ``output`` must then be taken with :meth:`take_reduced_shard` after ``wait()``.
-        """
+        """Sum ``full`` over the shard group into this rank's ``output``; via all-reduce, ``full`` is reduced in
+        place and ``output`` must be taken with :meth:`take_reduced_shard` after ``wait()``."""
         self.bytes_reduced += full.numel() * full.element_size()
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
@@ -222,16 +204,14 @@ def _waited(work: "_Works", async_op: bool) -> "_Works":
 
 
 def _subgroup_containing(rank: int, rank_lists: List[List[int]]) -> dist.ProcessGroup:
-    """Create one group per rank list (collectively, on every rank) and return the one holding ``rank``.
-    Every group gets the timeout ``FLATSHARD_TIMEOUT_S`` (default 30 minutes) so that a dead peer makes
-    the others raise instead of hanging forever."""
+    """Create one group per rank list (collective) and return the one holding ``rank``; the timeout
+    ``FLATSHARD_TIMEOUT_S`` makes a dead peer raise in the others instead of hanging them."""
     timeout = datetime.timedelta(seconds=options.get("FLATSHARD_TIMEOUT_S"))
     return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 
 
 # ---------------------------------------------------------------------- objects, agreement, rendezvous
-# Small named collectives for state-dict and checkpoint code (which must not call torch.distributed itself).
-# ``group`` is a process group, or None for a single process (then each is a no-op returning the local value).
+# Collectives for state-dict and checkpoint code; ``group`` None (one process): each returns the local value.
 def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
@@ -286,9 +266,8 @@ def barrier(group: Optional[dist.ProcessGroup]) -> None:
 
 def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseException],
                    error_types: Sequence[type] = (), default: type = RuntimeError) -> None:
-    """Collective: raise on every rank if any rank had an error, so no rank is left waiting in the next
-    collective.  A rank with an error re-raises its own; the others raise the first failing rank's error
-    class (looked up by name in ``error_types``, else ``default``) with that rank's message."""
+    """Collective: raise on every rank if any had an error (none is left waiting in the next collective): its
+    own, else the first failing rank's class (by name in ``error_types``, else ``default``) and message."""
     if _size(group) > 1:
         mine = None if error is None else (type(error).__name__, str(error))
         failed = [(r, e) for r, e in enumerate(all_gather_object(group, mine)) if e is not None]
@@ -301,17 +280,15 @@ def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseExcep
 
 
 def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A gloo group over the ranks of ``group`` (for :func:`rendezvous_or_fail`; monitored_barrier needs
-    gloo, also under nccl).  Collective over those ranks only."""
+    """A gloo group over the ranks of ``group`` (collective over them): monitored_barrier needs gloo."""
     ranks = (list(range(dist.get_world_size(group))) if group is dist.group.WORLD
              else dist.get_process_group_ranks(group))
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 def rendezvous_or_fail(gloo_group: dist.ProcessGroup, timeout: datetime.timedelta) -> Optional[str]:
-    """Wait for every rank of ``gloo_group`` at a monitored barrier; None when all came, else why not (the
-    caller raises an error that says what to do).  Fails fast on the rank that waits, instead of hanging
-    in the next collective until the process-group timeout."""
+    """Wait for every rank of ``gloo_group`` at a monitored barrier: None when all came, else why not (the
+    waiting rank fails fast instead of hanging in the next collective until the process-group timeout)."""
     try:
         dist.monitored_barrier(group=gloo_group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
