@@ -6,26 +6,21 @@ Layout (world size W of the shard group, alignment A elements)::
                  | p0 | pad | p1 ........ | pad | p2 | pad ...... | tail pad |
     shards:      |<- rank 0: shard_numel ->|<- rank 1 ->| ...  |<- rank W-1 ->|
 
-* Every original parameter starts at a multiple of A (so its views are aligned) and occupies
-  ``numel`` consecutive elements; ``padded_numel`` is a multiple of ``W * A`` so every shard has the
-  same length ``shard_numel`` and starts aligned.
-* Rank r owns ``[r * shard_numel, (r + 1) * shard_numel)``: its ``local_shard``.  A parameter may be
-  split between ranks, lie wholly on one rank, or be absent from a rank (empty slice).
-* Padding is never visible: the original parameters are views of their own slices only, and the
-  gradient of a padding element is zero because nothing but those views reads the buffer.
+* Every parameter starts at a multiple of A (aligned views); ``padded_numel`` is a multiple of ``W * A``, so
+  every shard has the same length ``shard_numel`` and starts aligned.
+* Rank r owns ``[r * shard_numel, (r + 1) * shard_numel)``, its ``local_shard``; a parameter may be split
+  between ranks, lie on one, or be absent from a rank (empty slice).
+* Padding is never visible: parameters view their own slices only, so a padding element's gradient is zero.
 
 Storage held by a :class:`FlatParameter` (per rank):
 
-* ``local_shard`` - this rank's slice, in the parameters' own dtype (the fp32 master under mixed
-  precision).  Each original ``nn.Parameter`` keeps its identity, but its ``.data`` is the 1-D view of
-  its part of ``local_shard`` (possibly empty), so optimizers update the shard in place and keep
-  state of size 1/W.
-* ``unsharded`` - a leaf tensor of ``padded_numel`` elements in compute dtype.  While the unit runs,
-  the modules' attributes are views of it, so autograd accumulates one flat gradient into
-  ``unsharded.grad``.  Its storage is freed by resizing to zero bytes and re-grown in place, which
-  keeps views (and tensors that autograd saved) valid once data is gathered back.
-* ``sharded_grad`` - this rank's slice of the reduced gradient, in the parameters' dtype; each
-  original parameter's ``.grad`` is a view of its part.
+* ``local_shard`` - this rank's slice in the parameters' dtype (the fp32 master under mixed precision).  Each
+  ``nn.Parameter`` keeps its identity, its ``.data`` the 1-D view of its part (possibly empty), so optimizers
+  update the shard in place and keep state of size 1/W.
+* ``unsharded`` - a leaf tensor of ``padded_numel`` elements in compute dtype; while the unit runs the modules'
+  attributes are views of it (one flat gradient in ``unsharded.grad``).  Its storage is freed by resizing to
+  zero bytes and re-grown in place, which keeps views (and tensors autograd saved) valid.
+* ``sharded_grad`` - this rank's slice of the reduced gradient; each parameter's ``.grad`` views its part.
 
 No process group is held here: collectives live in ``comm.py`` and are scheduled by ``engine.py``, except the
 blocking :func:`gather_full` outside the step (summon, full state dicts).
@@ -65,19 +60,13 @@ class ShardPiece:
 class FlatParamLayout:
     """Pure-data layout: offsets, padding and per-rank shard pieces for a list of shapes."""
 
-    def __init__(
-        self,
-        fqns: Sequence[str],
-        shapes: Sequence[torch.Size],
-        world_size: int,
-        alignment: int = DEFAULT_ALIGNMENT,
-    ) -> None:
+    def __init__(self, fqns: Sequence[str], shapes: Sequence[torch.Size], world_size: int,
+                 alignment: int = DEFAULT_ALIGNMENT) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if alignment < 1:
             raise ValueError(f"alignment must be >= 1, got {alignment}")
-        self.world_size = world_size
-        self.alignment = alignment
+        self.world_size, self.alignment = world_size, alignment
         slots: List[ParamSlot] = []
         # One split of the flat buffer into [gap, p0, gap, p1, ..., tail]: taking every parameter's view
         # from a single split gives autograd one backward node that concatenates the gradients (O(N)),
@@ -120,23 +109,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class FlatParameter:
-    """The storage of one flat parameter: local shard, unsharded buffer, sharded gradient.
+    """The storage of one flat parameter: ``params[i]`` is the ``nn.Parameter`` of slot ``i``; ``users[i]``
+    every ``(module, attribute name)`` that registers it (several when tied)."""
 
-    ``params[i]`` is the original ``nn.Parameter`` of slot ``i``; ``users[i]`` lists every
-    ``(module, attribute name)`` that registers it (more than one when parameters are tied).
-    """
-
-    def __init__(
-        self,
-        params: Sequence[nn.Parameter],
-        fqns: Sequence[str],
-        users: Sequence[Sequence[Tuple[nn.Module, str]]],
-        rank: int,
-        world_size: int,
-        compute_dtype: Optional[torch.dtype] = None,
-        alignment: int = DEFAULT_ALIGNMENT,
-        device: Optional[torch.device] = None,
-    ) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], fqns: Sequence[str],
+                 users: Sequence[Sequence[Tuple[nn.Module, str]]], rank: int, world_size: int,
+                 compute_dtype: Optional[torch.dtype] = None, alignment: int = DEFAULT_ALIGNMENT,
+                 device: Optional[torch.device] = None) -> None:
         if not params:
             raise ValueError("a FlatParameter needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -241,12 +220,8 @@ class FlatParameter:
             yield p, self.sharded_grad.narrow(0, piece.shard_start, piece.length)
 
     def accumulate_sharded_grad(self, new_grad: torch.Tensor) -> None:
-        """Add a freshly reduced shard gradient to the parameters' ``.grad``.
-
-        A parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) starts from zero; one whose
-        ``.grad`` the user replaced by another tensor contributes that tensor.  Afterwards every
-        ``.grad`` is again a view of ``sharded_grad``.
-        """
+        """Add a freshly reduced shard gradient to the parameters' ``.grad`` (None counts as zero, a tensor the
+        user set as its value); afterwards every ``.grad`` is again a view of ``sharded_grad``."""
         new_grad = new_grad.to(self.dtype)
         if self.sharded_grad is None:
             self.sharded_grad = new_grad  # take ownership of the reduced buffer: no copy
@@ -263,9 +238,8 @@ class FlatParameter:
             p.grad = view
 
     def release_grad_if_unused(self) -> None:
-        """Drop ``sharded_grad`` once the user set every ``.grad`` to None (``zero_grad()``), so its
-        memory is free during the next forward, as with unsharded gradients.  Kept when offloaded
-        (``keep_grad_buffer``): a pinned host buffer is reused, not freed and pinned again."""
+        """Drop ``sharded_grad`` once every ``.grad`` is None (``zero_grad()``): free for the next forward.  Kept
+        when offloaded (``keep_grad_buffer``): a pinned host buffer is reused, not pinned again."""
         if self.sharded_grad is not None and not self.keep_grad_buffer and all(p.grad is None for p in self.params):
             self.sharded_grad = None
 
@@ -276,9 +250,8 @@ class FlatParameter:
 
 
 def gather_full(flat: FlatParameter, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The padded full tensor of ``flat`` from every rank's ``shard`` (default: its parameter shard, master dtype;
-    an optimizer state shard of the same layout works too), on ``flat.device`` (blocking collective over ``group``,
-    the model's ShardGroup).  Slot ``s`` of the result is ``full[s.offset : s.offset + s.numel].view(s.shape)``."""
+    """The padded full tensor of ``flat`` from every rank's ``shard`` (default: its parameter shard; any shard of
+    the same layout works), on ``flat.device``: a blocking collective over ``group``, the model's ShardGroup."""
     shard = flat.local_shard if shard is None else shard
     full = torch.empty(flat.layout.padded_numel, dtype=shard.dtype, device=flat.device)
     group.all_gather(full, shard.to(flat.device), async_op=False)  # (.to: under offload the shard is host memory)
