@@ -1,32 +1,17 @@
 """The schedule's mechanics: when collectives start, on which stream, what waits for them, when buffers die.
 
-One engine serves every unit of a wrapped model; the units' state machine (``unit.py``) decides *which*
-unit to gather or reduce and when.  The engine is written once, against a device adapter (below):
-:class:`CudaStreams` (NCCL: collectives issued synchronously on high-priority side streams of the *model's*
-device, never the current device's, so they run asynchronously to the host; completion is an event the compute
-stream waits on), :class:`HostAdapter` (gloo, CPU: no streams; collectives return work handles whose ``wait()``
-blocks the host while gloo's threads overlap them with compute), or the tests' simulator (``tests/sim_cuda.py``
-subclasses :class:`CudaStreams` with a fake ``torch.cuda`` and checks the schedule's invariants on CPU, so it runs
-exactly this code).  Its bookkeeping, the same on every device:
+One engine serves every unit of a wrapped model; the units' state machine (``unit.py``) decides *which* unit to
+gather or reduce and when.  It is written once against a device adapter: :class:`CudaStreams` (NCCL),
+:class:`HostAdapter` (gloo, CPU) or the tests' simulator (``tests/sim_cuda.py`` subclasses :class:`CudaStreams`
+with a fake ``torch.cuda``, so it runs exactly this code); docs/ARCHITECTURE.md section 5 says how they differ
+and what the bookkeeping (gathers in flight, free events, pending reductions) guarantees.  Besides:
 
-* All-gathers run on the all-gather stream; the compute stream waits on the gather's event (CUDA) or
-  the host on its work handle (gloo) before the unit reads its parameters.  At most
-  ``limit_all_gathers`` gathers are in flight, and on CUDA at most that many freed buffers are still
-  awaiting the compute stream: a reshard records a *free event* and the host synchronises on the oldest
-  one before issuing more gathers (as torch FSDP1 does), so the host cannot run a whole forward ahead and
-  reserve a gathered copy of every unit.
-* A full gradient is reduce-scattered on the reduce-scatter stream.  At most ``max_pending_reductions``
-  full gradients are kept: issuing one more first completes the oldest (the compute stream waits for it,
-  or the host on gloo) and drops it.  Full gradients are produced on the compute stream and dropped only
-  after the compute stream waited for their reduction, so the allocator may reuse them at once (FSDP2's
-  scheme; no ``record_stream``, no growth).
 * Gradients are divided by ``f`` before the sum and by ``W / f`` after (FSDP1's pre/post divide), so W
   loss-scaled fp16 gradients do not overflow in the sum.
-* Hybrid sharding: the all-reduce across replicas runs on its own stream, chained to the reduce-scatter's
-  event, so it does not serialise the next unit's reduce-scatter (CUDA); on gloo it starts once the
-  reduce-scatter's result is on the host.
-* CPU offload: the copies of ``offload.py``'s steps, on the streams named there; a reduced shard's device copy
-  is dropped once its copy to the host is issued (same-stream reuse is ordered).
+* Hybrid sharding: the replica all-reduce runs on its own stream, chained to the reduce-scatter's event, so it
+  does not serialise the next unit's reduce-scatter (CUDA); on gloo it starts once the reduce-scatter is done.
+* CPU offload: ``offload.py``'s copies; a reduced shard's device copy is dropped once its copy to the host is
+  issued (same-stream reuse is ordered).
 """
 from __future__ import annotations
 
@@ -123,11 +108,8 @@ class HostAdapter:
 
 
 class CudaStreams(HostAdapter):
-    """CUDA / NCCL: side streams of the model's device, events, ``record_stream``.
-
-    ``api`` is ``torch.cuda`` (the tests' simulator passes one with the same functions: ``Stream``,
-    ``Event``, ``current_stream``, ``stream``).
-    """
+    """CUDA / NCCL: side streams of the model's device, events, ``record_stream``; ``api`` is ``torch.cuda`` or
+    the tests' simulator (``Stream``, ``Event``, ``current_stream``, ``stream``)."""
 
     stream_ordered = True
 
@@ -198,18 +180,10 @@ def gradient_predivide_factor(world_size: int) -> int:
 class Engine:
     """Issues and completes the all-gathers and reduce-scatters of one wrapped model."""
 
-    def __init__(
-        self,
-        group: ShardGroup,
-        device: torch.device,
-        reduce_dtype: Optional[torch.dtype] = None,
-        max_inflight_all_gathers: int = 2,
-        max_pending_reductions: int = 2,
-        streams: Any = None,
-        offload: bool = False,
-    ) -> None:
-        self.group = group
-        self.device = device
+    def __init__(self, group: ShardGroup, device: torch.device, reduce_dtype: Optional[torch.dtype] = None,
+                 max_inflight_all_gathers: int = 2, max_pending_reductions: int = 2, streams: Any = None,
+                 offload: bool = False) -> None:
+        self.group, self.device = group, device
         if streams is None:  # (the tests pass a simulated adapter; the memory planner sets ADAPTER)
             streams = (ADAPTER.get() or (CudaStreams if device.type == "cuda" else HostAdapter))(device)
         self.streams = streams
