@@ -1,19 +1,12 @@
 """CPU offload of parameters (``fsdp_offload_params: true``): what lives in host memory and how it moves.
 
 With :class:`CPUOffload` ``(offload_params=True)`` everything persistent of a flat parameter lives in host
-memory (pinned where the device is a GPU, so copies run asynchronously to the host):
-
-* ``local_shard`` - the fp32 master shard; the original parameters are views of it, so the optimizer
-  steps on the host and keeps its state there;
-* ``sharded_grad`` - the reduced gradient shard; one pinned buffer per flat parameter, kept across steps
-  (``zero_grad()`` sets ``.grad`` to None but the buffer is reused, not freed and re-pinned);
-* a pinned staging buffer, only when gradients accumulate over several backwards (the new shard lands
-  there and the host adds it).
-
-The device holds only what is in flight: the copied shard of a unit being gathered (freed once the
-all-gather read it), the gathered units, full gradients until they are reduced, the reduced shard until
-its copy to the host is issued, and activations.  The engine (``engine.py``) does the moves on its side
-streams through the device adapter (``engine.py``: ``to_device`` / ``to_host`` / ``host_empty``):
+memory (pinned on a GPU, so copies run asynchronously to the host): ``local_shard`` (the fp32 master: the
+optimizer steps on the host and keeps its state there), ``sharded_grad`` (one buffer per flat parameter, reused
+across steps) and, when gradients accumulate over several backwards, staging buffers the host adds.  The device
+holds only what is in flight (a unit's copied shard until gathered, gathered units, full gradients, a reduced
+shard until its copy to the host is issued, activations).  The engine moves them on its side streams through the
+device adapter (``to_device`` / ``to_host`` / ``host_empty``):
 
 1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather;
 2. compute;
@@ -22,9 +15,8 @@ streams through the device adapter (``engine.py``: ``to_device`` / ``to_host`` /
 4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers; before
    an optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
 
-On a CPU device the host *is* the device: the copies are no-ops or host copies and nothing is pinned.
-The two optimizer step pre-hooks below (wait for those copies; a fused host Adam) are entries of
-``patches.py``, installed with the first offloaded model.
+On a CPU device the host *is* the device: nothing is pinned.  The two optimizer step pre-hooks below (wait for
+those copies; a fused host Adam) are ``patches.py`` entries, installed with the first offloaded model.
 """
 from __future__ import annotations
 
@@ -72,19 +64,14 @@ class HostOffload:
             p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
 
     def wait_for_host_to_device_copies(self) -> None:
-        """Before the host writes the host shards: the copies to the device issued so far have read them
-        (known after a reducing backward, not after an eval forward or a ``no_sync`` micro-step)."""
+        """Before the host writes the host shards: wait until the copies to the device issued so far read them."""
         s = self.streams
         s.synchronize(s.record(s.side_stream("all_gather")))
 
     def grad_target(self, flat: FlatParameter) -> torch.Tensor:
-        """Host buffer that receives this backward's next reduced shard of ``flat``.
-
-        When every ``.grad`` is None (first backward after ``zero_grad()``) the first shard lands straight in
-        ``sharded_grad``; otherwise (gradient accumulation, a ``.grad`` set by the user, or a second
-        reduction of ``flat`` in the same backward) in a staging buffer that the host adds at the end of
-        backward.  Every reduction of one backward gets its own buffer (the copies run concurrently; the
-        host adds them in turn); all are allocated once and reused (:meth:`targets_consumed`)."""
+        """Host buffer for this backward's next reduced shard of ``flat``: ``sharded_grad`` when every ``.grad`` is
+        None and it is the first, else a staging buffer the host adds at the end of backward (one per reduction:
+        the copies run concurrently).  All are allocated once and reused (:meth:`targets_consumed`)."""
         if flat.sharded_grad is None:
             flat.sharded_grad = self._host_empty(flat.layout.shard_numel, flat.dtype)
         handed = self._handed.setdefault(flat, [])
