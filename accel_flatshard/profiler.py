@@ -1,17 +1,12 @@
 """Profiling on torch.profiler: the engine's ``flatshard::*`` spans, the phase table, ``FLATSHARD_PROFILE``.
 
-The engine marks its phases with ``record_function`` spans (one flag check when no profiler runs), so a
-torch.profiler trace shows them next to the real ops (and, on a GPU, the kernels and NCCL):
-``forward`` (the root's; ``forward[unit]`` per unit) and ``backward`` (from the first gradient reaching a unit
-to the end of the end-of-backward callback); ``all_gather[unit]`` / ``reduce_scatter[unit]``: issuing a
-collective; ``wait_all_gather[unit]`` / ``wait_reduce_scatter[unit]`` / ``wait_replica_all_reduce`` (hybrid) /
-``wait_offload_copy``: the training thread blocked on one (exposed communication);
-``all_gather_rate_limit``: the host waiting for freed gathered buffers before gathering more (CUDA,
-``limit_all_gathers``).  :func:`phase_table` of ``prof.events()`` says where each step's time goes.
-``FLATSHARD_PROFILE=DIR`` (``1``: the table only) makes the first wrapped model start a torch.profiler that
-steps at every optimizer step; every ``FLATSHARD_PROFILE_EVERY`` (N) steps it writes
-``DIR/flatshard_trace_rank{r}.json`` and ``DIR/flatshard_phases_rank{r}.md`` for the last N - 1 steps (the
-first step of each cycle is the profiler's warm-up) and rank 0 prints the table.
+The engine's ``record_function`` spans (one flag check when no profiler runs) show in a torch.profiler trace next
+to the real ops: ``forward`` / ``backward`` (``forward[unit]`` per unit), ``all_gather[unit]`` /
+``reduce_scatter[unit]`` (issuing), ``wait_*`` (the training thread blocked on communication: exposed) and
+``all_gather_rate_limit`` (the host waiting for freed gathered buffers, CUDA); :data:`_ENGINE_SPANS` maps them to
+the rows of :func:`phase_table`.  ``FLATSHARD_PROFILE=DIR`` (``1``: the table only) starts a profiler that steps
+at every optimizer step and every ``FLATSHARD_PROFILE_EVERY`` (N) steps writes ``DIR/flatshard_trace_rank{r}.json``
+and ``DIR/flatshard_phases_rank{r}.md`` for the last N - 1 steps (the first is warm-up); rank 0 prints the table.
 """
 from __future__ import annotations
 
@@ -96,11 +91,9 @@ def _union_ms(intervals: List[Tuple[float, float]]) -> float:
 def step_phases(events: Iterable[Any], step_prefix: str = "ProfilerStep#") -> List[Dict[str, float]]:
     """Milliseconds per phase for every step in a torch.profiler event list (``prof.events()``).
 
-    A step is an event whose name starts with ``step_prefix`` (``prof.step()`` of a profiler with a
-    ``schedule`` makes ``ProfilerStep#N``); without any, each optimizer step (torch's ``Optimizer.step#``
-    span) ends one, the first starting at the first span, and without those the whole list is one step.
-    Engine spans are assigned to the forward / backward span that contains them in time (backward may run
-    on autograd's device thread); nested spans of one kind count once."""
+    A step is an event named ``step_prefix...`` (a scheduled profiler's ``ProfilerStep#N``); without any, each
+    ``Optimizer.step#`` span ends one (else the whole list is one step).  Engine spans go to the forward /
+    backward span containing them in time (backward may run on autograd's thread); nested ones count once."""
     spans: Dict[str, List[Tuple[float, float]]] = collections.defaultdict(list)  # "forward", an engine span, ...
     steps: List[Tuple[float, float]] = []
     for e in events:
