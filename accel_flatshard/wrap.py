@@ -38,11 +38,8 @@ def _size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min
 
 
 def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) -> Set[Type[nn.Module]]:
-    """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``, else
-    its repeated blocks: see :func:`repeated_block_classes`).
-
-    Raises ``ValueError`` naming what was looked for when a name matches no submodule class.
-    """
+    """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``, else its
+    :func:`repeated_block_classes`); ``ValueError`` when a name matches no submodule class."""
     if names is None:
         names = _no_split_modules(model)
         if not names:
@@ -60,12 +57,9 @@ def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) ->
 
 
 def repeated_block_classes(model: nn.Module) -> Set[Type[nn.Module]]:
-    """The classes of ``model``'s repeated blocks: children of an ``nn.ModuleList`` / ``nn.Sequential`` with
-    at least two children of the same class that hold parameters (a user's transformer without
-    ``_no_split_modules``).  Only the outermost such lists count (a block's inner lists stay in the
-    block).  Logged once per process with how to set the classes explicitly; when nothing repeats, the
-    empty set (one root unit, as accelerate does), logged too.
-    """
+    """The classes of ``model``'s repeated blocks: two or more same-class children with parameters of an
+    ``nn.ModuleList`` / ``nn.Sequential`` (outermost lists only).  None: the empty set (one root unit, as
+    accelerate does).  Logged once per process with how to set the classes explicitly."""
     classes: Set[Type[nn.Module]] = set()
     inside: Set[int] = set()  # modules within an already chosen block
     for module in model.modules():
@@ -110,10 +104,9 @@ def transformer_auto_wrap_policy(
     ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them; ``transformer_auto_wrap_policy([MyBlock])``
     gives the classes directly.
 
-    Given a model whose input embedding and output head are *untied* (Llama), both become units too:
-    the head's gradient is then reduced right after its backward (the first of the step) instead of
-    with the root's at the very end (measured: llama-40M step 1.20x -> 0.93x of DDP with the other
-    engine defaults).  Tied ones (GPT-2) stay in the root, which owns the shared weight.
+    A model's *untied* input embedding and output head (Llama) become units too: the head's gradient is then
+    reduced right after its backward, not with the root's at the end (llama-40M step 1.20x -> 0.93x of DDP).
+    Tied ones (GPT-2) stay in the root, which owns the shared weight.
 
     Example::
 
@@ -147,10 +140,9 @@ def _untied_embedding_ids(model: nn.Module) -> frozenset:
 
 
 def backward_reads_parameters(module: nn.Module) -> bool:
-    """Whether a unit made of ``module`` must be gathered again for its backward.  Not when it is a plain
-    ``nn.Embedding`` (an untied input embedding): embedding's backward reads the indices and the weight's
-    row count, never the weight, so the unit is gathered for forward only.  Subclasses with their own
-    forward, ``max_norm`` (renormalises the weight in forward) and sparse gradients are gathered as usual."""
+    """Whether a unit made of ``module`` must be gathered again for its backward: not a plain ``nn.Embedding``,
+    whose backward reads the indices and row count, never the weight (unless it has its own forward,
+    ``max_norm`` or sparse gradients)."""
     return not (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
                 and module.max_norm is None and not module.sparse)
 
@@ -161,11 +153,8 @@ def size_based_auto_wrap_policy(min_num_params: int = int(1e8)) -> Policy:
 
 
 def select_units(root: nn.Module, policy: Optional[Policy]) -> List[nn.Module]:
-    """The modules that become units, root first, in pre-order (the usual forward order).
-
-    Recursion as in torch's wrapper: children are decided before their parent, so the parent's
-    ``nonwrapped_numel`` counts only parameters that no inner unit claimed.  The root is always a unit.
-    """
+    """The modules that become units: the root, then the policy's in pre-order (the usual forward order).
+    As in torch's wrapper, children are decided first: a parent's ``nonwrapped_numel`` counts what they left."""
     units: List[nn.Module] = []
     seen: Set[int] = set()
     for child in root.children() if policy is not None else ():
@@ -199,15 +188,13 @@ def _claim(params: Iterable[nn.Parameter], seen: Set[int]) -> int:
 
 
 def checkpoint_units(root: nn.Module, unit_modules: Sequence[nn.Module]) -> bool:
-    """Activation checkpointing of each of ``unit_modules`` (torch's non-reentrant ``checkpoint_wrapper``,
-    what accelerate applies for ``fsdp_activation_checkpointing``); False when there is none.  The wrapper
-    sits outside the unit's module, so the recomputation in backward goes through the unit's hooks."""
+    """Activation checkpointing of each of ``unit_modules`` (non-reentrant ``checkpoint_wrapper``, as accelerate's
+    ``fsdp_activation_checkpointing``; False: none), outside the unit's module: recomputation runs its hooks."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 
     inner = {id(m) for m in unit_modules if m is not root}
     if inner:
-        apply_activation_checkpointing(
-            root, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: id(m) in inner)
+        wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        apply_activation_checkpointing(root, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in inner)
     return bool(inner)
