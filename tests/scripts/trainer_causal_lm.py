@@ -126,6 +126,7 @@ def main():
     world_size_before_trainer = training_args.world_size
     # main_process_first must hold the other ranks until the main one is done (datasets' map cache relies on it)
     marker = args.output_json + ".main_first"
+    os.makedirs(os.path.dirname(os.path.abspath(marker)), exist_ok=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # both ranks reach the block together: only its own wait can order them
     with training_args.main_process_first(desc="marker"):
