@@ -1,28 +1,22 @@
 """Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
 
-A directory written by ``save_state`` (``integrations/state_io.py``) or a Trainer checkpoint is
-*complete* only once its commit marker :data:`COMPLETE_FILE` exists.  Rank 0 first writes :data:`PENDING_FILE`
-naming every part the save will write (model and optimizer directories or files, each rank's RNG file, ...), and
-writes the commit marker last, atomically, after every rank reported its parts written.  So a save interrupted
-anywhere (a rank SIGKILLed mid-write) leaves a directory without the marker, and:
-
-* :func:`missing_parts` / :func:`check_complete` say what is missing (``load_state`` refuses such a directory);
-* :func:`newest_complete_checkpoint` skips it (``load_state()`` under automatic naming, the Trainer's
-  ``resume_from_checkpoint=True``, and user code that resumes by itself);
-* :func:`prune_checkpoints` (``total_limit`` / ``save_total_limit``) never deletes the newest complete checkpoint,
-  also while a newer one is still being written.
-
-A directory with neither marker was not written by this version (plain accelerate, older accel_flatshard): it is
-judged by its files, as before; an empty one is incomplete.
+A directory written by ``save_state`` (``integrations/state_io.py``) or a Trainer checkpoint is *complete* only
+once its commit marker :data:`COMPLETE_FILE` exists: rank 0 first writes :data:`PENDING_FILE`, naming every part
+the save will write (model and optimizer directories or files, each rank's RNG file, ...), and writes the marker
+last, atomically, after every rank reported its parts written.  A save interrupted anywhere (a rank SIGKILLed
+mid-write) leaves no marker: :func:`check_complete` says what is missing (``load_state`` refuses the directory),
+:func:`newest_complete_checkpoint` skips it, and :func:`prune_checkpoints` never deletes the newest complete
+checkpoint, also while a newer one is still being written.  A directory with neither marker (plain accelerate,
+older accel_flatshard) is judged by its files, as before; an empty one is incomplete.
 
 Asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or ``save_state(..., async_save=True)``): :func:`snapshot_entries`
-copies this rank's state to host memory (CPU: a host copy; CUDA: pinned buffers filled on the ``checkpoint`` side
-stream of the engine's device adapter, which first waits for the compute stream, and which the compute stream
-then waits for, so no later optimizer step can change a tensor before it is copied; the host does not block).
-:func:`start_save` runs the writes on a background thread over a gloo group of their own (the training's
-collectives never interleave with the writer's), then gathers every rank's outcome and lets rank 0 commit.  At
-most one save is in flight per process: :func:`wait_for_saves` (the next ``save_state``, ``load_state``,
-``end_training``, interpreter exit) joins it and raises its failure, naming the file, on every rank.
+copies this rank's state to host memory (CUDA: pinned buffers filled on the engine adapter's ``checkpoint`` side
+stream, which first waits for the compute stream and which the compute stream then waits for, so no later
+optimizer step changes a tensor before it is copied; the host does not block).  :func:`start_save` writes on a
+background thread over a gloo group of its own (never interleaved with the training's collectives), gathers
+every rank's outcome and lets rank 0 commit.  At most one save is in flight: :func:`wait_for_saves` (the next
+``save_state``, ``load_state``, ``end_training``, interpreter exit) joins it and raises its failure, naming the
+file, on every rank.
 """
 from __future__ import annotations
 
@@ -150,10 +144,8 @@ def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[CudaStreams] =
     by_adapter: Dict[Optional[CudaStreams], List[str]] = {}
     for key, entry in entries.items():
         device = (entry.local if isinstance(entry, FlatRange) else entry).device
-        if adapter is None and device.type == "cuda":
-            by_adapter.setdefault(_ADAPTERS.setdefault(device, CudaStreams(device)), []).append(key)
-        else:
-            by_adapter.setdefault(adapter, []).append(key)
+        cuda = adapter is None and device.type == "cuda"
+        by_adapter.setdefault(_ADAPTERS.setdefault(device, CudaStreams(device)) if cuda else adapter, []).append(key)
     for streams, keys in by_adapter.items():
         if streams is not None:
             side, compute = streams.side_stream("checkpoint"), streams.compute_stream()
@@ -183,8 +175,7 @@ def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[CudaStreams] =
 
 def snapshot_bytes(entries: Dict[str, Entry]) -> int:
     """Host bytes a snapshot of ``entries`` holds."""
-    return sum((e.local if isinstance(e, FlatRange) else e).numel() * (e.local if isinstance(e, FlatRange) else e)
-               .element_size() for e in entries.values())
+    return sum((e.local if isinstance(e, FlatRange) else e).nbytes for e in entries.values())
 
 
 # ---------------------------------------------------------------------- the background writer
@@ -205,18 +196,7 @@ def writer_group(world: Optional[dist.ProcessGroup], shard_size: Optional[int] =
                            shard_size=shard_size or dist.get_world_size(pg))
 
 
-class _Save:
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.error: Optional[str] = None
-        self.thread: Optional[threading.Thread] = None
-
-
-class _Saves:
-    in_flight: Optional[_Save] = None  # read as ``SAVES.in_flight`` (no call) by the synchronous save_state
-
-
-SAVES = _Saves()
+SAVES = SimpleNamespace(in_flight=None)  # the background save not yet joined (benchmarks poll it)
 
 
 def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]], group: Any,
@@ -225,7 +205,7 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
     gather every rank's outcome over ``group``; when all succeeded, rank 0 calls ``commit()`` (the commit marker).
     ``background``: on a thread (the caller returns at once), else here.  Waits for the previous save first."""
     wait_for_saves()
-    save = _Save(directory)
+    save = SimpleNamespace(error=None, thread=None)  # error: a message, set when the save failed
 
     def job() -> None:
         status = None
@@ -249,16 +229,16 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
             save.error = (f"saving {directory} failed, the checkpoint is incomplete (no {COMPLETE_FILE}): "
                           + "; ".join(failed))
 
-    if not background:
+    if background:
+        save.thread = threading.Thread(target=job, name=f"accel_flatshard save {directory}", daemon=True)
+        SAVES.in_flight = save
+        save.thread.start()
+    else:
         job()
         _raise(save)
-        return
-    save.thread = threading.Thread(target=job, name=f"accel_flatshard save {directory}", daemon=True)
-    SAVES.in_flight = save
-    save.thread.start()
 
 
-def _raise(save: _Save) -> None:
+def _raise(save: SimpleNamespace) -> None:
     if save.error is not None:
         raise CheckpointError(save.error)
 
