@@ -1,16 +1,10 @@
 """Every ``FLATSHARD_*`` environment variable: declared once here, read and validated only here.
 
-:data:`OPTIONS` declares each one (name, type, default, what it does, the parser that validates a value);
-:func:`get` returns its parsed value, :func:`check_environment` rejects unknown ``FLATSHARD_*`` names and bad
-values.  The wrapper and the ``Accelerator`` both call it at construction, so a misspelt option fails loudly on
-every path instead of doing nothing.  :func:`markdown_table` renders the README's option table (a test keeps
-the two equal).  :func:`env_flag` is the one truthiness parser for boolean environment variables, also for
-accelerate's own (``ACCELERATE_USE_FSDP``, ``FSDP_SYNC_MODULE_STATES``, ...), which are read where used.
-
-Example::
-
-    from accel_flatshard import options
-    timeout_s = options.get("FLATSHARD_TIMEOUT_S")      # 1800.0 unless set
+:data:`OPTIONS` declares each (name, type, default, doc, parser); :func:`get` returns its parsed value
+(``options.get("FLATSHARD_TIMEOUT_S")``: 1800.0 unless set); :func:`check_environment`, called by the wrapper
+and the ``Accelerator``, rejects unknown ``FLATSHARD_*`` names and bad values, so a misspelt option fails
+loudly.  :func:`markdown_table` renders the README's option table; :func:`env_flag` parses boolean variables,
+accelerate's own too (``ACCELERATE_USE_FSDP``, ...), which are read where used.
 """
 from __future__ import annotations
 
@@ -31,16 +25,13 @@ GENERATION_MODES = ("budget", "full", "per_unit")
 
 
 def env_flag(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether the environment variable ``name`` is set to a true value (unset or empty: False).
-
-    For variables that are not ours (``ACCELERATE_*``, ``FSDP_*``): anything not true is False, as
-    accelerate's own ``str_to_bool`` treats them."""
+    """Whether the environment variable ``name`` is set to a true value; anything else (unset, empty, not a
+    boolean) is False, as accelerate's ``str_to_bool`` treats its own variables."""
     return _BOOLS.get(str((os.environ if environ is None else environ).get(name, "")).strip().lower(), False)
 
 
 def _parser(convert: Callable[[str], Any], expected: str, valid: Callable[[Any], bool] = lambda _: True) -> Callable:
-    """A value's parser: ``convert`` of the stripped text where it succeeds and is ``valid``, else
-    ``ValueError(expected)``."""
+    """A parser: ``convert`` of the stripped text where it succeeds and is ``valid``, else ValueError(expected)."""
     def parse(text: str) -> Any:
         try:
             value = convert(text.strip())
@@ -77,25 +68,20 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("FLATSHARD_REDUCE_DTYPE", "fp32 | bf16 | fp16", None, "the mixed-precision dtype",
            "Accelerator: dtype of the gradient reduction under mixed precision (no effect without it)",
            _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16")),
-    Option("FLATSHARD_GLOO_P2P", "bool", None, "1 on gloo, else 0",
-           "all-gather and reduce-scatter as batched isend/irecv straight into / out of the buffers "
-           "(faster than gloo's collectives, see Speed)", _bool),
-    Option("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "bool", False, "0",
-           "with `FLATSHARD_GLOO_P2P=0` (or nccl): reduce gradients by all-reduce + slice instead of "
-           "reduce-scatter", _bool),
-    Option("FLATSHARD_TIMEOUT_S", "float > 0", 1800.0, "1800",
-           "timeout in seconds of the shard / replica process groups accel_flatshard creates (hybrid sharding)",
-           _positive_float),
-    Option("FLATSHARD_STATE_DICT_TIMEOUT_S", "float > 0", 5.0, "5",
-           "seconds rank 0 waits for the other ranks when the unwrapped model's `state_dict()` (collective) "
-           "gathers, before failing", _positive_float),
+    Option("FLATSHARD_GLOO_P2P", "bool", None, "1 on gloo, else 0", "all-gather and reduce-scatter as batched "
+           "isend/irecv straight into / out of the buffers (faster than gloo's collectives, see Speed)", _bool),
+    Option("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "bool", False, "0", "with `FLATSHARD_GLOO_P2P=0` (or nccl): "
+           "reduce gradients by all-reduce + slice instead of reduce-scatter", _bool),
+    Option("FLATSHARD_TIMEOUT_S", "float > 0", 1800.0, "1800", "timeout in seconds of the shard / replica process "
+           "groups accel_flatshard creates (hybrid sharding)", _positive_float),
+    Option("FLATSHARD_STATE_DICT_TIMEOUT_S", "float > 0", 5.0, "5", "seconds rank 0 waits for the other ranks when "
+           "the unwrapped model's `state_dict()` (collective) gathers, before failing", _positive_float),
     Option("FLATSHARD_PROFILE", "directory | bool", None, "off",  # None: off, "": the table only, else a directory
            "profile every wrapped model with torch.profiler: a directory gets one Chrome trace and phase table "
            "per rank; `1`: print the phase table only",
            lambda text: {True: "", False: None}.get(_BOOLS.get(text.strip().lower()), text.strip())),
-    Option("FLATSHARD_PROFILE_EVERY", "int > 0", 10, "10",
-           "with `FLATSHARD_PROFILE`: write / print every N optimizer steps (the last N - 1 steps recorded)",
-           _positive_int),
+    Option("FLATSHARD_PROFILE_EVERY", "int > 0", 10, "10", "with `FLATSHARD_PROFILE`: write / print every N "
+           "optimizer steps (the last N - 1 steps recorded)", _positive_int),
     Option("FLATSHARD_GENERATION_MODE", "budget | full | per_unit", "budget", "budget",
            "units kept gathered during `generate()`: `budget` keeps as many as `FLATSHARD_GENERATION_BUDGET_MB` "
            "allows (the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per "
@@ -109,9 +95,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "`save_state` (Accelerator, Trainer) returns once the model and optimizer state is copied to host memory "
            "and writes the files in the background (README Checkpoints); `save_state(..., async_save=...)` "
            "overrides it", _bool),
-    Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0",
-           "no-grad forwards of a model (e.g. a frozen reference model) keep its units gathered until the next "
-           "optimizer step", _bool),
+    Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", "no-grad forwards of a model (e.g. a frozen "
+           "reference model) keep its units gathered until the next optimizer step", _bool),
 )}
 
 
