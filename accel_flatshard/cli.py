@@ -3,11 +3,9 @@
 CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by ``accelerator.save_state``
 (``pytorch_model_fsdp_0/``, ``optimizer_0/``, ...)::
 
-    accel-flatshard inspect CKPT_DIR [--json]       # keys, shapes, dtypes, saved world size, sizes (a
-                                                    # save_state directory: its models, optimizers, other files)
+    accel-flatshard inspect CKPT_DIR [--json]       # keys, shapes, dtypes, saved world size, sizes
     accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]   # -> HF safetensors
-    accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S [--device_memory 80GiB]
-                                                    # each rank's peak memory in a step (``accel_flatshard/plan``)
+    accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S   # each rank's peak memory
 """
 from __future__ import annotations
 
