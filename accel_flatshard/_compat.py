@@ -1,8 +1,5 @@
-"""The one adapter for the private torch APIs the package uses (checked on torch 2.11 - 2.13, the supported window).
-
-Everything here is a private or semi-private torch API; keeping them in one place makes a torch upgrade
-a one-file review.
-"""
+"""The one adapter for the private torch APIs the package uses (checked on torch 2.11 - 2.13, the supported window):
+in one place, a torch upgrade is a one-file review."""
 from __future__ import annotations
 
 from typing import Any, Callable, List
@@ -52,18 +49,16 @@ def outside_dispatch_modes() -> Any:
 
 
 def dynamo_counters() -> Any:
-    """dynamo's event counters (``torch._dynamo.utils.counters``): ``counters["graph_break"]`` and
-    ``counters["unimplemented"]`` map reasons to counts; ``counters["stats"]["unique_graphs"]`` counts compiled
-    graphs (a recompile adds one)."""
+    """dynamo's event counters: ``["graph_break"]`` and ``["unimplemented"]`` map reasons to counts,
+    ``["stats"]["unique_graphs"]`` counts compiled graphs (a recompile adds one)."""
     from torch._dynamo.utils import counters
 
     return counters
 
 
 def fake_world(world_size: int, backend: str) -> Any:
-    """torch.distributed as a fresh world of ``world_size`` fake ranks (this process is rank 0; collectives do
-    nothing) whose groups are named ``backend`` (comm.py picks collectives by the name); the caller's own world is set
-    aside and comes back untouched (c10d's ``_world`` extension point and tables; the fake groups' names are new)."""
+    """A fresh world of ``world_size`` fake ranks (this process is rank 0), its groups named ``backend`` (comm.py
+    picks collectives by it); the caller's world is set aside meanwhile (c10d's ``_world`` and tables)."""
     import contextlib
 
     import torch.distributed as dist
