@@ -7,18 +7,8 @@ from .offload import CPUOffload
 from .unit import BackwardPrefetch
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-__all__ = [
-    "Accelerator",
-    "register",
-    "FullyShardedDataParallel",
-    "BackwardPrefetch",
-    "MixedPrecision",
-    "CPUOffload",
-    "clip_grad_norm_",
-    "compile_model",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-]
+__all__ = ["Accelerator", "register", "FullyShardedDataParallel", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
+           "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy"]
 __version__ = "0.1.0"
 
 
