@@ -1,22 +1,18 @@
 """Optimizer state of a sharded model by parameter name: its schema, the full optimizer state dict, torch's format.
 
-Every original parameter is a 1-D slice of its flat parameter's shard, so a stock torch optimizer keeps, per
-parameter, tensors the size of this rank's piece (``exp_avg``, ``momentum_buffer``: "sharded" state), 0-dim
-tensors (``step``: "scalar" state) and plain Python values ("value" state).  :func:`state_schema` describes it
-by name (``{name: {key: (kind, dtype, value)}}``, merged over all ranks); :func:`encode_groups` writes the param
-groups as JSON-able dicts with parameter names; :func:`torch_state_dict` builds what ``optimizer.load_state_dict``
-takes.  Format of a full optimizer state dict (what :func:`full_optim_state_dict` returns on rank 0)::
+A stock torch optimizer keeps, per parameter (a 1-D slice of a shard), tensors of this rank's piece's size
+("sharded": ``exp_avg``), 0-dim tensors ("scalar": ``step``) and Python values ("value").  :func:`state_schema`
+describes it by name (``{name: {key: (kind, dtype, value)}}``, merged over ranks); :func:`encode_groups` writes
+JSON-able param groups.  A full optimizer state dict (:func:`full_optim_state_dict`'s, on rank 0)::
 
     {
       "state": {"transformer.wte.weight": {"step": tensor(5.), "exp_avg": <full-shaped>, ...}, ...},
       "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), ..., "params": ["transformer.wte.weight", ...]}, ...],
     }
 
-Names are canonical parameter names (the first name a tied parameter is registered under, as in
-``named_parameters()``); per-element state has the parameter's full shape.  It does not depend on the world
-size: :func:`load_full_optim_state_dict` loads it at any world size, and :func:`optim_state_dict_to_torch` /
-:func:`optim_state_dict_from_torch` convert to / from a plain torch optimizer's ``state_dict()`` (each function's
-docstring has an example).
+Names are canonical (a tied parameter's first, as in ``named_parameters()``); per-element state is full-shaped,
+so it loads at any world size, and :func:`optim_state_dict_to_torch` / :func:`optim_state_dict_from_torch`
+convert to / from a plain torch optimizer's ``state_dict()``.
 """
 from __future__ import annotations
 
@@ -40,17 +36,12 @@ _SKIP_GROUP_KEYS = ("params", "param_names")
 # ---------------------------------------------------------------------- the schema
 def optimizer_groups(index: ModelIndex, optimizer: torch.optim.Optimizer) -> List[List[ParamInfo]]:
     """The optimizer's param groups as lists of :class:`ParamInfo`."""
-    out = []
     for g, group in enumerate(optimizer.param_groups):
-        infos = []
         for p in group["params"]:
-            info = index.by_param_id.get(id(p))
-            if info is None:
+            if id(p) not in index.by_param_id:
                 raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter (shape {tuple(p.shape)}) that "
                                       "is not the sharded model's; build the optimizer from model.parameters()")
-            infos.append(info)
-        out.append(infos)
-    return out
+    return [[index.by_param_id[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def _describe(value: Any) -> Tuple[str, Optional[str], Any]:
@@ -171,10 +162,8 @@ def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], s
 
 # ---------------------------------------------------------------------- the full optimizer state dict
 def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True) -> dict:
-    """Gather the optimizer state by parameter name with full-shaped tensors (collective).
-
-    Gathers one (flat parameter, state key) at a time inside the shard group; returns CPU tensors on
-    rank 0 (``rank0_only``) or on every rank.  Example::
+    """Gather the optimizer state by parameter name, one (flat parameter, key) at a time (collective); CPU
+    tensors on rank 0 (``rank0_only``) or on every rank.  Example::
 
         osd = full_optim_state_dict(model, optimizer)
         if rank == 0:
@@ -219,11 +208,9 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
 
 def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                optim_state_dict: Optional[Dict[str, Any]]) -> None:
-    """Load a name-keyed full optimizer state dict into the sharded model's optimizer (collective).
-
-    Every rank passes the dict, or rank 0 only (others ``None``; tensors are then broadcast one at a
-    time).  The optimizer must have the same param groups (by parameter name) as the one that saved.
-    Hyperparameters (lr, betas, ...) are restored from the dict.  Example::
+    """Load a name-keyed full optimizer state dict, hyperparameters included, into the sharded model's optimizer
+    (collective; same param groups by name as the saver's).  Every rank passes the dict, or rank 0 only (others
+    ``None``: tensors are broadcast one at a time).  Example::
 
         osd = torch.load("optim.pt", weights_only=True) if rank == 0 else None
         load_full_optim_state_dict(model, optimizer, osd)
@@ -271,11 +258,8 @@ def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
 # ---------------------------------------------------------------------- torch's format
 def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module,
                               optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """Convert a name-keyed full dict into ``optimizer.state_dict()`` format for a plain optimizer.
-
-    ``model`` is the plain model and ``optimizer`` a torch optimizer built on its parameters with the
-    same groups.  Tensors are copied (``Optimizer.load_state_dict`` would otherwise adopt them and
-    update ``optim_state_dict`` in place while training).  Example::
+    """A name-keyed full dict in ``optimizer.state_dict()`` format for a plain ``model`` and its ``optimizer``
+    (same groups).  Tensors are copied: ``load_state_dict`` would adopt them and update them in place.  Example::
 
         plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
     """
@@ -295,9 +279,8 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
 
 def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
                                 optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """Convert a plain optimizer's ``state_dict()`` (indices) into the name-keyed full format.
-
-    ``optimizer``/``model``: the plain optimizer and model it was built for.  Example::
+    """A plain optimizer's ``state_dict()`` (indices) in the name-keyed full format (``optimizer``/``model``: the
+    plain optimizer and model it was built for).  Example::
 
         osd = optim_state_dict_from_torch(plain_opt.state_dict(), plain_model, plain_opt)
         load_full_optim_state_dict(sharded_model, sharded_opt, osd)
