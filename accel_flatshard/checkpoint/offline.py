@@ -2,24 +2,17 @@
 
 * :func:`read_checkpoint_info` / :func:`read_full_tensors` - what a sharded checkpoint holds (from its JSON, no
   tensor data read) and its full tensors, in batches.
-* :func:`consolidate` - a sharded *model* checkpoint as Hugging Face safetensors: ``model.safetensors``, or
-  ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` beyond ``max_shard_size`` (split
-  by ``huggingface_hub.split_torch_state_dict_into_shards``), read one output file's worth at a time; tied
-  parameters once, under their first name (as ``save_pretrained``), so ``from_pretrained`` works next to a
-  ``config.json``.
+* :func:`consolidate` - a sharded *model* checkpoint as Hugging Face safetensors (``model.safetensors``, or
+  shards plus ``model.safetensors.index.json`` beyond ``max_shard_size``), read one output file's worth at a
+  time; tied parameters once, under their first name (as ``save_pretrained``), so ``from_pretrained`` works
+  next to a ``config.json``.
 * :func:`read_save_state_info` / :func:`consolidate_save_state` - the same for a ``save_state`` directory
-  (accelerate's FSDP layout): per prepared model ``i`` and optimizer ``j`` either sharded checkpoints
-  (``pytorch_model_fsdp_{i}/``, ``optimizer_{j}/``: SHARDED_STATE_DICT) or full ``torch.save`` files
-  (``pytorch_model_fsdp[_i].bin``, ``optimizer[_j].bin``: FULL_STATE_DICT), plus accelerate's own files.
-
-Example::
-
-    consolidate("ckpt/model", "hf_out", max_shard_size="2GB")
-    info = read_checkpoint_info("ckpt/model"); info["world_size"], info["total_bytes"]
-    [m["name"] for m in read_save_state_info("out/step_100")["models"]]      # ['pytorch_model_fsdp_0']
+  (accelerate's FSDP layout): sharded checkpoints (``pytorch_model_fsdp_{i}/``, ``optimizer_{j}/``) or full
+  ``torch.save`` files (``pytorch_model_fsdp[_i].bin``, ``optimizer[_j].bin``), plus accelerate's own files.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -72,12 +65,8 @@ def _read(directory: str, meta: Dict[str, Any], md: Any, names: List[str], verif
 
 def read_full_tensors(directory: str, names: Optional[Sequence[str]] = None, max_batch_bytes: float = 1 << 30,
                       verify_checksums: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)`` from a sharded checkpoint, in checkpoint order, read in batches of about
-    ``max_batch_bytes``.  Example::
-
-        for name, t in read_full_tensors("ckpt/model"):
-            print(name, t.shape)
-    """
+    """Yield ``(name, full tensor)`` from a sharded checkpoint, in checkpoint order (or that of ``names``), read
+    in batches of about ``max_batch_bytes``."""
     directory, meta, md = open_checkpoint(directory, read_meta(resolve_checkpoint_dir(directory))["kind"])
     batch: List[str] = []
     size = 0
@@ -96,9 +85,7 @@ def read_full_tensors(directory: str, names: Optional[Sequence[str]] = None, max
 
 def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, str] = "5GB",
                 verify_checksums: bool = True) -> List[str]:
-    """Write a sharded model checkpoint as Hugging Face safetensors into ``out_dir``; returns the files.
-
-    Example::
+    """Write a sharded model checkpoint as Hugging Face safetensors into ``out_dir``; returns the files.  Example::
 
         consolidate("ckpt/model", "hf_out")
         config.save_pretrained("hf_out")
@@ -114,9 +101,9 @@ def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, st
 def _write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor],
                           read: Callable[[List[str]], Dict[str, torch.Tensor]],
                           max_shard_size: Union[int, str]) -> List[str]:
-    """Hugging Face layout in ``out_dir`` (see the module doc).  ``shapes``: name -> a tensor of the right shape and
-    dtype (meta is fine), in output order; ``read(names)`` returns one output file's real tensors.  Every file is
-    written atomically; stale files of an earlier split are removed."""
+    """Hugging Face layout in ``out_dir``, split by ``huggingface_hub``.  ``shapes``: name -> a tensor of the right
+    shape and dtype (meta is fine), in output order; ``read(names)`` returns one output file's real tensors.  Every
+    file is written atomically; stale files of an earlier split are removed."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -132,10 +119,9 @@ def _write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor],
         write_json_atomic(os.path.join(out_dir, INDEX_NAME),
                           {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2)
         files.append(INDEX_NAME)
-    existing = glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))
-    stale = {SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in existing}
-    for name in stale - set(files):
-        if os.path.exists(os.path.join(out_dir, name)):
+    shards = glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors"))
+    for name in ({SAFE_NAME, INDEX_NAME} | {os.path.basename(p) for p in shards}) - set(files):  # stale ones
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, name))
     return [os.path.join(out_dir, f) for f in files]
 
