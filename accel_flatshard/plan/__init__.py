@@ -9,6 +9,7 @@ ranks what fits by :func:`step_time`; the command line is ``__main__.py``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -69,17 +70,6 @@ class Config:
                 f"{self.micro_batch}{accumulation}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Flat:
-    """Bytes of one flat parameter on rank 0 (the fullest shard); those of its reduction are 0 when frozen."""
-
-    gathered: int  # unsharded buffer, and the flat gradient (compute dtype)
-    shard: int  # local shard (parameter dtype)
-    full_reduce: int  # the flat gradient in the reduce dtype
-    shard_reduce: int  # reduced shard (reduce dtype)
-    trainable: bool
-
-
 class Planner:
     """One rank's peak for a model (``build()``: a fresh meta-device model), options and per-device batch.
 
@@ -102,24 +92,23 @@ class Planner:
         units = select_units(model, options.auto_wrap_policy(model))
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.names = [names[id(m)] or "<root>" for m in units]
-        # per unit (root first, as the wrapper builds them), its flat parameters: fqns, shapes, dtype, requires_grad
-        self._groups = [[(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad) for ps, fqns, _ in groups]
-                        for groups in _assign_owners(model, units)[0].values()]
-        for name in ("layout", "predict"):  # computed once per planner and argument
+        # the flat parameters the wrapper builds: fqns, shapes, dtype, requires_grad
+        self._flats = [(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad)
+                       for groups in _assign_owners(model, units)[0].values() for ps, fqns, _ in groups]
+        for name in ("sizes", "predict"):  # computed once per planner and argument
             setattr(self, name, functools.lru_cache(maxsize=None)(getattr(self, name)))
 
-    def layout(self, shard_size: int) -> List[List[_Flat]]:
-        """Per unit, its flat parameters at this shard group size."""
-        return [[self._flat(*group, shard_size) for group in groups] for groups in self._groups]
-
-    def _flat(self, fqns: List[str], shapes: List[torch.Size], dtype: torch.dtype, trainable: bool,
-              shard_size: int) -> _Flat:
-        layout = FlatParamLayout(fqns, shapes, shard_size)
-        compute = self.param_dtype or dtype
-        reduce = self.reduce_dtype or compute
-        n, s = layout.padded_numel, layout.shard_numel
-        return _Flat(n * compute.itemsize, s * dtype.itemsize, trainable * n * reduce.itemsize,
-                     trainable * s * reduce.itemsize, trainable)
+    def sizes(self, shard_size: int) -> Dict[str, int]:
+        """Bytes of the flat parameters on rank 0 (the fullest shard) at this group size, for the cost model:
+        ``gathered`` (and each full gradient, compute dtype), ``shard``, ``trainable_shard``, and the gradients
+        in the reduce dtype, ``full_reduce`` and ``shard_reduce``."""
+        out: Dict[str, int] = collections.Counter()
+        for fqns, shapes, dtype, trainable in self._flats:
+            layout, compute = FlatParamLayout(fqns, shapes, shard_size), self.param_dtype or dtype
+            n, s, reduce = layout.padded_numel, layout.shard_numel, (self.reduce_dtype or compute).itemsize
+            out.update(gathered=n * compute.itemsize, shard=s * dtype.itemsize, trainable_shard=trainable * s *
+                       dtype.itemsize, full_reduce=trainable * n * reduce, shard_reduce=trainable * s * reduce)
+        return out
 
     def predict(self, cfg: Config) -> Prediction:
         """One rank's peak in a step of ``cfg``: the real wrapper's step on fake tensors (``run.py``)."""
@@ -134,20 +123,18 @@ def step_time(planner: Planner, cfg: Config) -> float:
     under no_sync) over the shard group's link, the replicas' all-reduce between nodes, offload's copies
     over PCIe, and a fixed cost per unit and pass; the optimizer step on the host with offload.  Prefetch
     hides communication behind compute (limit_all_gathers 1: half of it)."""
-    hw, flats = HARDWARE, [f for u in planner.layout(cfg.shard_size) for f in u]
+    hw, size = HARDWARE, planner.sizes(cfg.shard_size)
     G, W, steps = cfg.shard_size, planner.world_size, planner.batch_size // cfg.micro_batch
     rate = hw["flops"] / (4 if (planner.param_dtype or torch.float32) == torch.float32 else 1)
     compute = (6 + 2 * cfg.checkpointing) * planner.numel * cfg.micro_batch * planner.tokens / rate
     link = hw["intra_node"] if G <= max(1, W // planner.num_machines) else hw["inter_node"]
     passes = 2 if cfg.reshard_after_forward else 1
-    gather = passes * sum(f.gathered for f in flats) * (G - 1) / G / link
-    reduce = sum(f.full_reduce for f in flats) * (G - 1) / G / link
-    reduce += 2 * sum(f.shard_reduce for f in flats) * (1 - G / W) / hw["inter_node"]
-    copies = (passes + 1) * sum(f.shard for f in flats) / hw["pcie"] if cfg.offload else 0
+    gather = passes * size["gathered"] * (G - 1) / G / link
+    reduce = size["full_reduce"] * (G - 1) / G / link + 2 * size["shard_reduce"] * (1 - G / W) / hw["inter_node"]
+    copies = (passes + 1) * size["shard"] / hw["pcie"] if cfg.offload else 0
     overlap = (1.0 if cfg.limit_all_gathers > 1 else 0.5) if cfg.forward_prefetch or cfg.backward_prefetch else 0.0
     comm = steps * (gather + copies) + (1 if cfg.accumulation == "no_sync" else steps) * reduce
-    state = 2 * sum(f.shard for f in flats if f.trainable)  # (AdamW's two moments per trainable shard element)
-    host = state / hw["host_step"] if cfg.offload else 0
+    host = 2 * size["trainable_shard"] / hw["host_step"] if cfg.offload else 0  # (AdamW's state: two moments)
     fixed = steps * 3 * len(planner.names) * hw["unit_pass_s"] * (1 + cfg.checkpointing / 3)
     return steps * compute + max(0.0, comm - overlap * steps * compute) + host + fixed
 

@@ -80,8 +80,7 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
         "activations_saved_for_backward": {"without_checkpointing": (other if cfg.checkpointing else pred).saved,
                                            "with_checkpointing": (pred if cfg.checkpointing else other).saved}}
-    if pred.snapshot:
-        out["host_async_save_snapshot_bytes"] = pred.snapshot
+    out.update({"host_async_save_snapshot_bytes": pred.snapshot} if pred.snapshot else {})
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
@@ -96,7 +95,7 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         best, parts = rows[0][0], rows[0][1].parts
         kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
         budget = device_memory - kept - rows[0][1].saved
-        whole = sum(f.gathered for u in planner.layout(best.shard_size) for f in u)
+        whole = planner.sizes(best.shard_size)["gathered"]
         out["recommended"] = settings(best, W, planner.batch_size) + [
             f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
             f"{whole / 2**20:,.1f} MiB; within the budget generate() gathers it once)"]
