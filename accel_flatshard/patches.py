@@ -1,15 +1,13 @@
 """The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it.
 
-Each :class:`Patch` names its target where it is defined (``owner`` module + ``attribute``), why, by what (a
-dotted path resolved when installing: this module imports none of the replacements, nor accelerate), the library
-versions it was checked on, and when it is applied (``scope``: nothing at import).  Three kinds: a replaced
-symbol, also in the modules known to bind it by name (``from accelerate.utils import save_fsdp_model`` in
-``transformers.trainer`` is a second binding) and in any imported module of ``scan_packages`` (or ``__main__``)
-that holds the original; a process-wide hook (``hook``) registered with ``attribute``; an entry of a library's
-dict (``key``).  :func:`install` logs one INFO line per change plus a summary; a target not found *by name* (a
-release moved it) or holding something else than the original (a release re-wrapped it) is reported with the
-module, attribute and installed library version: a warning, or a RuntimeError for the patches without which
-training or checkpoints would be wrong.  Never a silent no-op.  :func:`uninstall` undoes every change (tests).
+Each :class:`Patch` names its target where it is defined (``owner`` + ``attribute``), why, by what (a dotted path
+resolved when installing: this module imports none of the replacements, nor accelerate), the versions it was
+checked on, and when it is applied (``scope``: nothing at import).  Three kinds: a replaced symbol, also in the
+modules known to bind it by name (``also_bound_in``) and in any imported module of ``scan_packages`` (or
+``__main__``) holding the original; a process-wide ``hook``; an entry of a library's dict (``key``).
+:func:`install` logs each change; a target moved or re-wrapped by a release is reported with the module, attribute
+and library version: a warning, or a RuntimeError where training or checkpoints would be wrong.  Never a silent
+no-op.  :func:`uninstall` undoes every change (tests).
 """
 from __future__ import annotations
 
@@ -282,9 +280,8 @@ def _apply(patch: Patch, applied: List[str]) -> None:
             continue
         _set(name, module, patch.attribute, original, replacement, applied)
     for name, module in list(sys.modules.items()) if patch.scan_packages else ():
-        if module is None or name in patch.also_bound_in or name == patch.owner:
-            continue
-        if name.split(".", 1)[0] not in patch.scan_packages and name != "__main__":
+        if (module is None or name in patch.also_bound_in or name == patch.owner
+                or (name.split(".", 1)[0] not in patch.scan_packages and name != "__main__")):
             continue
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get(patch.attribute) is original:
@@ -293,11 +290,7 @@ def _apply(patch: Patch, applied: List[str]) -> None:
 
 def install(scope: str = "accelerator", register: bool = False) -> List[str]:
     """Apply the entries of ``scope`` (``"accelerator"``: also ``"wrapper"``'s, and ``"register"``'s when
-    ``register``); idempotent.
-
-    Returns the targets changed by this call (each also logged at INFO).  Raises RuntimeError naming the
-    binding when an essential target is missing; warns for the others.
-    """
+    ``register``); idempotent.  Returns the targets this call changed (see the module docstring for errors)."""
     scopes = {scope} | ({"wrapper"} if scope == "accelerator" else set()) | ({"register"} if register else set())
     applied: List[str] = []
     for patch in PATCHES:
