@@ -1,18 +1,9 @@
 """Make the libraries around accelerate (transformers' Trainer, PEFT, TRL) see through accel_flatshard's wrapper.
 
-Four functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (README
-"Library internals accel_flatshard replaces" says where and why):
-
-* ``accelerate.utils.extract_model_from_parallel`` (how PEFT and TRL unwrap, e.g. ``Trainer`` finding a PeftModel)
-  and ``transformers.trainer_pt_utils.get_parameter_names`` (the Trainer's weight-decay names, which walk
-  ``named_children``: the wrapper's only child is ``module``) get :func:`seeing_through_wrapper`: the original
-  called with ``.module`` taken off every :class:`FullyShardedDataParallel`.
-* ``trl.models.utils.prepare_fsdp(model, accelerator)`` wraps TRL's reference / teacher models in torch FSDP;
-  :func:`sharding_reference_models` calls ``accelerator.prepare_model(model, evaluation_mode=True)`` instead when
-  the accelerator shards with accel_flatshard (sharded like the policy, no gradients); any other gets TRL's.
-* ``transformers.Trainer.save_model`` writes nothing under SHARDED_STATE_DICT (transformers' rule for torch FSDP:
-  the checkpoints hold the shards): :func:`saving_final_model_in_full` writes the user's final model in full,
-  loadable with ``from_pretrained``, as under FULL_STATE_DICT; the Trainer's own checkpoints are unchanged.
+Four functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (the
+table there says why): ``extract_model_from_parallel`` (how PEFT and TRL unwrap) and ``get_parameter_names`` (the
+Trainer's weight-decay names) get :func:`seeing_through_wrapper`; TRL's ``prepare_fsdp`` (reference / teacher
+models) :func:`sharding_reference_models`; ``Trainer.save_model`` :func:`saving_final_model_in_full`.
 """
 from __future__ import annotations
 
