@@ -1,9 +1,8 @@
 """The supported library version window, and the check :func:`accel_flatshard.register` runs.
 
-Lower bounds are the oldest set CI tests (``.ci/oldest.sh``, run by ``.ci/run``; the same bounds are in
-``pyproject.toml``), except torch 2.11: the GPU machine's, checked by ``tools/torch_api_check.py`` (CI) and once
-by hand in a torch 2.11 venv (README "Supported versions"); upper bounds are the newest tested (``make test``).
-Below the window is an error (names the package, its version and the pip command); above it a warning.
+Lower bounds are the oldest set CI tests (``.ci/oldest.sh``; the same in ``pyproject.toml``), except torch 2.11:
+the GPU machine's, checked by ``tools/torch_api_check.py`` (README "Supported versions"); upper bounds are the
+newest tested.  Below the window is an error (package, version and pip command); above it a warning.
 """
 from __future__ import annotations
 
