@@ -1,19 +1,19 @@
 """Translate an accelerate FSDP configuration (fsdp_version 1 or 2) into accel_flatshard options.
 
-Accelerate delivers the yaml's ``fsdp_config`` as ``FSDP_*`` environment variables and parses them into a
-``FullyShardedDataParallelPlugin`` whose fields are torch FSDP objects (``ShardingStrategy``, ``BackwardPrefetch``,
-torch wrap-policy functions, ``MixedPrecision``).  :func:`options_from_plugin` maps those fields (and accelerate's
-``parallelism_config``) onto :class:`FullyShardedDataParallel` arguments; the few options accelerate has no key
-for come from ``FLATSHARD_*`` environment variables (declared and validated in ``accel_flatshard.options``), so
-that a typo fails loudly instead of being ignored.  Also here, as the one other reader of the environment: the
-plugin built on a host without an accelerator device (:func:`build_plugin_without_device`, and the
-``__post_init__`` patch behind it), the launcher's world size, and :func:`options_from_launch_args` (what
+Accelerate parses the yaml's ``fsdp_config`` (as ``FSDP_*`` variables) into a ``FullyShardedDataParallelPlugin``
+of torch FSDP objects; :func:`options_from_plugin` maps its fields (and accelerate's ``parallelism_config``) onto
+:class:`FullyShardedDataParallel` arguments, plus the ``FLATSHARD_*`` variables for what accelerate has no key for
+(validated in ``accel_flatshard.options``: a typo fails loudly).  Also here, as the one other reader of the
+environment: the plugin built on a host without an accelerator device (:func:`build_plugin_without_device`, and
+the ``__post_init__`` patch behind it), the launcher's world size, and :func:`options_from_launch_args` (what
 ``accel-flatshard plan`` wraps with).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
@@ -74,22 +74,15 @@ class FlatShardOptions:
             return transformer_auto_wrap_policy(model, self.layer_cls_names)
         if self.wrap == "size":
             return size_based_auto_wrap_policy(self.min_num_params) if self.min_num_params > 0 else None
-        if self.wrap == "custom":
-            return self.custom_policy
-        return None
+        return self.custom_policy if self.wrap == "custom" else None
 
     def wrapper_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for :class:`FullyShardedDataParallel` (without the policy)."""
-        return dict(
-            reshard_after_forward=self.reshard_after_forward,
-            backward_prefetch=self.backward_prefetch,
-            forward_prefetch=self.forward_prefetch,
-            fsdp_group_size=self.fsdp_group_size,
-            mixed_precision=self.mixed_precision,
-            sync_module_states=self.sync_module_states,
-            limit_all_gathers=self.limit_all_gathers,
-            cpu_offload=CPUOffload(offload_params=self.offload_params),
-        )
+        return dict(reshard_after_forward=self.reshard_after_forward, backward_prefetch=self.backward_prefetch,
+                    forward_prefetch=self.forward_prefetch, fsdp_group_size=self.fsdp_group_size,
+                    mixed_precision=self.mixed_precision, sync_module_states=self.sync_module_states,
+                    limit_all_gathers=self.limit_all_gathers,
+                    cpu_offload=CPUOffload(offload_params=self.offload_params))
 
 
 def options_from_plugin(
@@ -97,13 +90,9 @@ def options_from_plugin(
 ) -> FlatShardOptions:
     """Map a ``FullyShardedDataParallelPlugin`` (fsdp_version 1 or 2) and ``FLATSHARD_*`` variables to options.
 
-    FSDP2 keys: ``fsdp_reshard_after_forward`` true/false (FULL_SHARD / SHARD_GRAD_OP), the same wrap
-    policy, state dict type (default SHARDED_STATE_DICT), mixed precision, activation checkpointing and
-    ``fsdp_cpu_ram_efficient_loading`` keys as FSDP1; backward prefetch is always on (FSDP2's implicit
-    prefetch).  ``fsdp_offload_params`` (both forms) keeps shards in host memory (``offload.py``).  Options
-    that cannot be honoured raise naming the key (``fsdp_ignored_modules``, ...).  accelerate's
-    ``parallelism`` config, when given, sets the shard groups (:func:`_layout_group_size`).
-    """
+    FSDP2: ``fsdp_reshard_after_forward`` true/false is FULL_SHARD / SHARD_GRAD_OP, the other keys mean what they
+    mean for FSDP1, backward prefetch is always on (FSDP2's implicit prefetch).  Options that cannot be honoured
+    raise naming the key (``fsdp_ignored_modules``, ...); ``parallelism`` sets the shard groups."""
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
@@ -133,25 +122,18 @@ def options_from_plugin(
     if group_size is not None and not hybrid:
         raise ValueError(
             f"FLATSHARD_GROUP_SIZE={group_size} is set but fsdp_sharding_strategy is {strategy.name}; "
-            "it only applies to HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (set the strategy or unset the variable)"
-        )
+            "it only applies to HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (set the strategy or unset the variable)")
 
-    prefetch = getattr(plugin, "backward_prefetch", None)
-    if version == 2:
-        # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses
-        # forward_prefetch); it always prefetches the next unit in backward: the same here.
-        prefetch = TorchPrefetch.BACKWARD_PRE
-    opts.backward_prefetch = None  # accelerate's None is the yaml's NO_PREFETCH (or no key): no prefetch
-    if prefetch is not None:
-        name = prefetch.name if isinstance(prefetch, (TorchPrefetch, BackwardPrefetch)) else str(prefetch).upper()
-        opts.backward_prefetch = None if name == "NO_PREFETCH" else BackwardPrefetch[name]
+    # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses forward_prefetch); it
+    # always prefetches the next unit in backward: the same here.  FSDP1: None is the yaml's NO_PREFETCH (or no key)
+    prefetch = TorchPrefetch.BACKWARD_PRE if version == 2 else getattr(plugin, "backward_prefetch", None)
+    name = prefetch.name if isinstance(prefetch, (TorchPrefetch, BackwardPrefetch)) else str(prefetch).upper()
+    opts.backward_prefetch = None if prefetch is None or name == "NO_PREFETCH" else BackwardPrefetch[name]
     opts.forward_prefetch = bool(getattr(plugin, "forward_prefetch", False))
 
     policy = getattr(plugin, "auto_wrap_policy", None)
     base = getattr(policy, "func", policy)  # set_auto_wrap_policy may already have made it a partial
-    if policy is None:
-        opts.wrap = "none"
-    elif base is torch_transformer_policy:
+    if base is torch_transformer_policy:
         opts.wrap = "transformer"
         bound = getattr(policy, "keywords", {}).get("transformer_layer_cls")  # a partial made by hand
         names = [c.__name__ for c in bound] if bound else getattr(plugin, "transformer_cls_names_to_wrap", None)
@@ -165,7 +147,7 @@ def options_from_plugin(
         opts.min_num_params = int(bound if bound is not None else getattr(plugin, "min_num_params", 0) or 0)
     elif callable(policy):
         opts.wrap, opts.custom_policy = "custom", policy  # torch-signature policies work unchanged
-    else:
+    elif policy is not None:  # (None: opts.wrap stays "none")
         raise ValueError(f"unsupported fsdp auto_wrap_policy {policy!r}")
 
     opts.state_dict_type = state_dict_type_name(plugin)
@@ -258,12 +240,9 @@ def validating_flatshard_layout(original: Callable[[Any, Any], None]) -> Callabl
 def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     """torch's ``ShardingStrategy`` the plugin asks for.  FSDP1: ``sharding_strategy``, else
     ``reshard_after_forward`` holding a strategy name (what ``accelerate config`` writes); FSDP2:
-    ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2).
-
-    An FSDP1 plugin built with an explicit ``reshard_after_forward`` strategy (transformers' ``fsdp="shard_grad_op"``
-    with ``fsdp_config`` version 1) still gets ``sharding_strategy`` FULL_SHARD, accelerate's default when neither
-    that argument nor ``FSDP_SHARDING_STRATEGY`` was given (torch FSDP under accelerate then runs FULL_SHARD): the
-    strategy that was asked for counts."""
+    ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2).  An explicit
+    ``reshard_after_forward`` strategy (transformers' ``fsdp="shard_grad_op"``, fsdp_config version 1) counts over
+    the ``sharding_strategy`` FULL_SHARD accelerate defaults to without ``FSDP_SHARDING_STRATEGY``."""
     from torch.distributed.fsdp import ShardingStrategy
 
     strategy = getattr(plugin, "sharding_strategy", None)
@@ -271,8 +250,7 @@ def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     if (isinstance(asked, ShardingStrategy) and strategy == ShardingStrategy.FULL_SHARD
             and not environ.get("FSDP_SHARDING_STRATEGY")):
         return asked
-    if strategy is None:
-        strategy = getattr(plugin, "reshard_after_forward", None)
+    strategy = asked if strategy is None else strategy
     if isinstance(strategy, bool):
         return ShardingStrategy.FULL_SHARD if strategy else ShardingStrategy.SHARD_GRAD_OP
     if isinstance(strategy, str):
@@ -281,12 +259,9 @@ def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
 
 
 def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
-    """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place.
-
+    """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place:
     accelerate and transformers branch on ``accelerator.is_fsdp2`` into torch-FSDP2-only code (``fully_shard``,
-    DTensor state dicts, FSDP2 grad scaler); accel_flatshard implements the FSDP1 surface of those calls.  The
-    other fields (state dict type, wrap policy, mixed precision, checkpointing) mean the same in both versions.
-    """
+    DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls."""
     from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
     from torch.distributed.fsdp import ShardingStrategy
@@ -339,12 +314,10 @@ def _host_has_device() -> bool:
 def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
     """``FullyShardedDataParallelPlugin.__post_init__`` that works on a host without an accelerator device.
 
-    accelerate's raises "no available devices" whenever ``sync_module_states`` is on (it prepares a
-    ``param_init_fn`` for torch FSDP that targets a GPU), and the launcher turns it on by default; accel_flatshard
-    does not use ``param_init_fn``.  On such a host (only; FSDP2 and hosts with a device run accelerate's
-    unchanged) the plugin is initialised with ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, then
-    both fields and ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (transformers reads it) get the values accelerate would set.
-    """
+    accelerate's raises "no available devices" under ``sync_module_states`` (the launcher's default: it prepares a
+    GPU ``param_init_fn`` accel_flatshard never uses).  On such a host (FSDP1 only) the plugin is initialised with
+    ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, then both fields and
+    ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (transformers reads it) get the values accelerate would set."""
 
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
@@ -381,13 +354,9 @@ def build_plugin_without_device(plugin_cls: type) -> Any:
 
 
 def options_from_launch_args(argv: List[str]) -> tuple:
-    """``accelerate launch`` flags (``--config_file``, ``--num_processes``, ``--mixed_precision``, ``--fsdp_*``) ->
-    the options every launched process would wrap with: accelerate's own parser, yaml merge and launcher
-    environment (``FSDP_*``), the plugin built from that environment, :func:`options_from_plugin`.
-    Returns ``(options, launch_args)``; ``launch_args`` has ``num_processes``, ``num_machines``, ``mixed_precision``."""
-    import contextlib
-    import sys
-
+    """``accelerate launch`` flags (``--config_file``, ``--num_processes``, ``--fsdp_*``, ...) -> ``(options,
+    launch_args)``: what every launched process would wrap with, through accelerate's own parser, yaml merge and
+    launcher environment, and the plugin built from it (``launch_args.num_processes``, ``.mixed_precision``...)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
@@ -428,13 +397,10 @@ def launched_world_size() -> int:
 
 def use_cpu_state_for_launch() -> None:
     """Under a launch of W > 1 processes on a host without CUDA, make accelerate's CPU path the default
-    (``ACCELERATE_USE_CPU``: gloo over all processes).  Else code that sets up accelerate's state before any
-    Accelerator exists (``TrainingArguments``, ``PartialState()``) would get ``distributed_type NO`` and
-    ``world_size`` 1.  Not only under ``ACCELERATE_USE_FSDP``: ``TrainingArguments(fsdp=...)`` under torchrun
-    asks for FSDP with a plugin object its Trainer builds later, after it has set up the state."""
-    if "ACCELERATE_USE_CPU" in os.environ or torch.cuda.is_available():
-        return
-    if launched_world_size() > 1:
+    (``ACCELERATE_USE_CPU``: gloo over all processes); else ``TrainingArguments`` / ``PartialState()``, made before
+    any Accelerator, would set up ``distributed_type NO`` and ``world_size`` 1.  Not only under
+    ``ACCELERATE_USE_FSDP``: ``TrainingArguments(fsdp=...)`` builds its plugin after it has set up the state."""
+    if "ACCELERATE_USE_CPU" not in os.environ and not torch.cuda.is_available() and launched_world_size() > 1:
         os.environ["ACCELERATE_USE_CPU"] = "true"
 
 
