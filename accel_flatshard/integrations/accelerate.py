@@ -1,25 +1,15 @@
 """The Accelerate backend: ``Accelerator``, a drop-in subclass of ``accelerate.Accelerator``.
 
-Use it with a standard accelerate yaml (``distributed_type: FSDP``, ``fsdp_config`` with
-``fsdp_version: 1`` or ``2`` keys); it shards the model with :class:`FullyShardedDataParallel` where
-accelerate would use torch FSDP.  What differs from plain accelerate, and why (README "Use it with Accelerate"):
-
-* On a host without GPUs accelerate silently trains unsharded under an FSDP config.  Here the process group is
-  gloo over all launched processes and accelerate's MULTI_CPU state is switched to ``DistributedType.FSDP``;
-  :func:`register` makes that CPU state the default for the launched script (``TrainingArguments`` sets the
-  state up before any Accelerator exists); W > 1 processes that would still end up unsharded raise.
-* An FSDP2-style config is mapped to the same options and the plugin is then presented as FSDP1 (``is_fsdp2``
-  is False), so accelerate and the Trainer take the FSDP1 code paths this class implements.
-* ``prepare_model`` wraps every model (``evaluation_mode=True`` ones too) with accel_flatshard; the original
-  ``nn.Parameter`` objects stay, so an optimizer made before or after ``prepare`` keeps working.
-* ``clip_grad_norm_`` (also over several models) / ``get_state_dict`` / ``unwrap_model`` / ``save_state`` /
-  ``load_state`` know the sharded layout (checkpoints: :mod:`.state_io`); ``dynamo_backend`` compiles
-  the sharded model (``compilation.py``); ``mixed_precision: fp16`` gets torch's ``ShardedGradScaler``, also
-  on CPU.  ``backward``, ``accumulate``, ``gather_for_metrics`` and the optimizer / dataloader / scheduler
-  preparation are accelerate's own; TRL, PEFT and the Trainer see through the wrapper (``trainer_trl_peft.py``).
-
-:func:`register` makes ``accelerate.Accelerator`` resolve to this class for code imported afterwards
-(``python -m accel_flatshard.run train.py`` calls it, so unmodified scripts work).
+Under an accelerate FSDP config (``fsdp_version`` 1 or 2) it shards with :class:`FullyShardedDataParallel` where
+accelerate would use torch FSDP.  What differs from plain accelerate (README "Use it with Accelerate"): on a host
+without GPUs the process group is gloo over all launched processes and accelerate's MULTI_CPU state is switched to
+``DistributedType.FSDP`` (accelerate would silently train unsharded; W > 1 processes still unsharded raise); an
+FSDP2 plugin is presented as FSDP1 (``is_fsdp2`` False: the code paths this class implements); ``prepare_model``
+wraps every model, keeping the ``nn.Parameter`` objects (an optimizer made before or after ``prepare`` works);
+``clip_grad_norm_``, ``get_state_dict``, ``unwrap_model``, ``save_state`` / ``load_state`` (:mod:`.state_io`)
+know the sharded layout; ``dynamo_backend`` compiles the sharded model; fp16 gets ``ShardedGradScaler``, also on
+CPU.  :func:`register` makes ``accelerate.Accelerator`` this class for code imported afterwards (``python -m
+accel_flatshard.run train.py`` calls it, so unmodified scripts work).
 """
 from __future__ import annotations
 
@@ -46,9 +36,8 @@ from ..state_dict.model import find_wrapper, full_state_dict
 from ..wrap import checkpoint_units
 from . import state_io
 from .versions import check_versions
-from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, launched_world_size
-from .config import normalize_plugin_to_fsdp1, options_from_plugin
-from .config import requested_parallelism_config, use_cpu_state_for_launch
+from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, normalize_plugin_to_fsdp1
+from .config import launched_world_size, options_from_plugin, requested_parallelism_config, use_cpu_state_for_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
@@ -57,25 +46,9 @@ __all__ = ["Accelerator", "register", "register_for_launch_without_runner"]
 
 
 class Accelerator(_BaseAccelerator):
-    """``accelerate.Accelerator`` that shards with accel_flatshard under an FSDP config.
-
-    Takes exactly ``accelerate.Accelerator``'s arguments.  Without an FSDP config (no
-    ``distributed_type: FSDP`` in the launch config, no ``fsdp_plugin``) it behaves as accelerate's.
-
-    Example (launched with ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml``)::
-
-        from accel_flatshard.integrations.accelerate import Accelerator
-        accelerator = Accelerator(gradient_accumulation_steps=2)
-        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step(); scheduler.step(); optimizer.zero_grad()
-        accelerator.save_state("ckpt")          # FULL_STATE_DICT or SHARDED_STATE_DICT per fsdp_config
-    """
+    """``accelerate.Accelerator`` (the same arguments) that shards with accel_flatshard under an FSDP config
+    (``distributed_type: FSDP`` in the launch config, or an ``fsdp_plugin``); accelerate's own without one.  A
+    plain accelerate training loop uses it unchanged (``examples/train_causal_lm.py``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options.check_environment()
@@ -84,8 +57,7 @@ class Accelerator(_BaseAccelerator):
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
         self._flatshard_options: Optional[FlatShardOptions] = None
-        wants_fsdp = options.env_flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)
-        if not wants_fsdp:
+        if not (options.env_flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)):
             super().__init__(**params)
             return
         fsdp_version(plugin)  # an unsupported version fails here, before accelerate sets anything up
@@ -101,8 +73,7 @@ class Accelerator(_BaseAccelerator):
         if without_device:
             if plugin is None:
                 plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
-            params["fsdp_plugin"] = plugin
-            params["cpu"] = True
+            params["fsdp_plugin"], params["cpu"] = plugin, True
             _reset_state_set_up_without_backend()
         super().__init__(**params)
         if without_device and not self._switch_to_fsdp(plugin):
@@ -132,14 +103,11 @@ class Accelerator(_BaseAccelerator):
             warnings.warn(
                 "accel_flatshard: an FSDP config was given but this is a single process (WORLD_SIZE "
                 f"{launched_world_size()}); nothing to shard, training as one process. To shard, launch "
-                "several: `accelerate launch --config_file ... -m accel_flatshard.run script.py`.",
-                stacklevel=3,
-            )
+                "several: `accelerate launch --config_file ... -m accel_flatshard.run script.py`.", stacklevel=3)
             return False
         if state.mixed_precision != "no" and getattr(plugin, "mixed_precision_policy", None) is None:
             plugin.set_mixed_precision(state.mixed_precision)
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
         patches.install("fsdp_state")  # PartialState's own copy of the shared dict, which accelerate's helpers read
         return True
 
@@ -162,17 +130,11 @@ class Accelerator(_BaseAccelerator):
         return self._flatshard_options
 
     # ------------------------------------------------------------------ prepare
-    def prepare_model(
-        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
-    ) -> nn.Module:
-        """Shard ``model`` with accel_flatshard (under an FSDP config; accelerate's own path otherwise).
-
-        Every model is sharded, however many one Accelerator is given (a policy and its reference model,
-        a generator and a discriminator): each gets its own wrapper and engine.  ``evaluation_mode=True``
-        (accelerate's flag for a model that is not trained, e.g. TRL's reference model) shards it too:
-        each unit is gathered for its forward and freed after it; it gets no activation checkpointing,
-        and parameters with ``requires_grad=False`` hold no gradient memory at all.
-        """
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Shard ``model`` with its own wrapper and engine (under an FSDP config; accelerate's own path otherwise),
+        however many models one Accelerator gets.  ``evaluation_mode=True`` (e.g. TRL's reference model) shards it
+        too, without activation checkpointing; frozen parameters hold no gradient memory."""
         opts = self._flatshard_options
         if opts is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -205,25 +167,19 @@ class Accelerator(_BaseAccelerator):
         return wrapped
 
     def _materialize_and_place(self, model: nn.Module) -> None:
-        """Check that meta parameters can be filled, keep fp32 masters; do NOT move the model.
-
-        As accelerate does for torch FSDP, the model is not put on the device whole: the wrapper
-        materialises (meta) and copies (CPU) one unit at a time into its device buffer while sharding it
-        (the current CUDA device with nccl, which accelerate set to this process's GPU), so the device
-        never holds more than one unit unsharded.  Values of meta ranks arrive from rank 0.
-        """
+        """Check that meta parameters can be filled, keep fp32 masters; do NOT move the model: as accelerate does
+        for torch FSDP, the wrapper materialises (meta) or copies (CPU) one unit at a time into its device buffer
+        while sharding it, so the device never holds more than one unit unsharded (meta ranks get rank 0's)."""
         device, tensors = self.device, list(model.parameters()) + list(model.buffers())
         if any(t.is_meta for t in tensors) and not self._flatshard_options.sync_module_states:
             raise ValueError(
                 "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
-                "fsdp_sync_module_states is false: nothing would fill them; set it to true"
-            )
+                "fsdp_sync_module_states is false: nothing would fill them; set it to true")
         if self.state.mixed_precision != "no":
             low = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
             if low:
-                # as accelerate does for torch FSDP: the sharded master copy (what the optimizer updates)
-                # is fp32; compute still happens in the mixed-precision dtype.  Upcast where the
-                # parameter is (host or meta), one parameter at a time.
+                # as accelerate does for torch FSDP: the sharded master copy (what the optimizer updates) is fp32,
+                # compute stays in the mixed-precision dtype; upcast where each parameter is (host or meta)
                 warnings.warn(f"accel_flatshard: upcasting {len(low)} low-precision parameters to fp32 "
                               f"(e.g. {low[0]}) because mixed precision is on", stacklevel=4)
                 for p in model.parameters():
@@ -237,11 +193,9 @@ class Accelerator(_BaseAccelerator):
     # ------------------------------------------------------------------ training-time calls
     def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP.
-
-        ``parameters`` may come from several prepared models (and unwrapped ones): the norm is then the
-        one over all of them, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded models would give,
-        and every gradient is scaled by the same coefficient.  Collective over every model involved."""
+        """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP; over several
+        prepared models (and unwrapped ones) the one norm torch's would give on the unsharded models, every gradient
+        scaled by the same coefficient.  Collective over every model involved."""
         if self._flatshard_options is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -263,20 +217,16 @@ class Accelerator(_BaseAccelerator):
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
-        """The user's model (its class, so ``save_pretrained`` works).  Its parameters stay sharded, but
-        its ``state_dict()`` gathers the full one (collective: call on every rank; rank 0 gets it, the
-        others ``{}``), so ``save_pretrained(dir, is_main_process=...)`` on every rank writes the full
-        model; called on the main process only it fails within seconds (see ``state_dict/model.py``)."""
+        """The user's model (its class, for ``save_pretrained``); its parameters stay sharded, its ``state_dict()``
+        gathers the full one (collective: rank 0 gets it, the others ``{}``), so ``save_pretrained`` must run on
+        every rank; called on the main process only it fails within seconds (``state_dict/model.py``)."""
         if isinstance(model, FullyShardedDataParallel):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
-        """Full state dict (plain model's keys and shapes, on CPU) on the main process, ``{}`` elsewhere.
-
-        With several prepared models, the one of ``model`` (wrapped, or the model given to ``prepare``);
-        call it once per model.  Collective: every rank must call it.
-        """
+        """Full state dict of ``model`` (plain keys and shapes, on CPU) on the main process, ``{}`` elsewhere;
+        collective: every rank calls it (once per prepared model)."""
         wrapped = find_wrapper(model)
         if wrapped is None:
             if self._flatshard_options is not None:  # e.g. an evaluation-mode model: nothing is sharded
@@ -323,12 +273,9 @@ def available_bytes(device: torch.device) -> Optional[int]:
 
 
 def _reset_state_set_up_without_backend() -> None:
-    """Undo a shared accelerate state that was set up without a backend although W > 1 processes run.
-
-    ``TrainingArguments`` creates ``PartialState()`` before the Trainer's Accelerator; on a host without CUDA and
-    without ``ACCELERATE_USE_CPU`` it records ``distributed_type NO`` (each process would train its own copy).
-    The state is a shared dict, so resetting it lets accelerate set it up again on the CPU path, with gloo.
-    """
+    """Undo a shared accelerate state set up without a backend although W > 1 processes run (``TrainingArguments``
+    without ``ACCELERATE_USE_CPU`` on a host without CUDA records ``distributed_type NO``): accelerate then sets
+    it up again on the CPU path, with gloo."""
     if launched_world_size() <= 1:
         return
     # accelerate without a backend has already called init_process_group(backend=None) (gloo on CPU):
@@ -340,9 +287,7 @@ def _reset_state_set_up_without_backend() -> None:
             f"(distributed_type NO although {launched_world_size()} processes run); setting it up again on "
             "the CPU path with gloo, sharded. Values read from it before (e.g. TrainingArguments.world_size, "
             "hence batch and step counts) were for 1 process: run the script with `-m accel_flatshard.run` "
-            "or call accel_flatshard.register() before creating TrainingArguments / PartialState",
-            stacklevel=4,
-        )
+            "or call accel_flatshard.register() before creating TrainingArguments / PartialState", stacklevel=4)
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
@@ -356,8 +301,7 @@ def _refuse_unsharded_launch(state: Any) -> None:
             "train an unsharded copy. Something set up accelerate's state before this Accelerator without a "
             "backend (e.g. PartialState() or TrainingArguments created with a process group already "
             "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
-            "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs"
-        )
+            "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs")
 
 
 def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
@@ -366,9 +310,7 @@ def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
     if not hasattr(model.forward, "__func__"):
         model.forward = convert_outputs_to_fp32(autocast_context(model.forward))
     else:
-        new_forward = autocast_context(model.forward.__func__)
-        model.forward = MethodType(new_forward, model)
-        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+        model.forward = MethodType(convert_outputs_to_fp32(autocast_context(model.forward.__func__)), model)
 
 
 def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
@@ -379,9 +321,8 @@ def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
 
 
 def _compile_per_dynamo_plugin(wrapped: FullyShardedDataParallel, plugin: Any) -> None:
-    """accelerate's ``dynamo_backend`` / ``dynamo_config``: ``use_regional_compilation`` compiles each inner
-    unit's forward inside its hooks, otherwise the whole model is compiled with graph breaks at the units'
-    hooks (``compilation.py``); ``mode`` / ``fullgraph`` / ``dynamic`` / ``options`` go to torch.compile."""
+    """accelerate's ``dynamo_backend`` / ``dynamo_config`` (``compilation.py``): ``use_regional_compilation``
+    compiles each inner unit's forward, else the whole model with graph breaks at the units' hooks."""
     if plugin.backend == DynamoBackend.NO:
         return
     kwargs = plugin.to_kwargs()
@@ -393,14 +334,9 @@ def _compile_per_dynamo_plugin(wrapped: FullyShardedDataParallel, plugin: Any) -
 
 
 def register() -> None:
-    """Make ``accelerate.Accelerator`` (and ``accelerate.accelerator.Accelerator``) this class.
-
-    Affects code that looks the name up afterwards (``from accelerate import Accelerator`` in a script
-    run later); modules that imported the name before keep accelerate's class.  Idempotent.
-
-    Checks the library versions first (:mod:`.versions`: an error below the supported window, a warning
-    above it), then applies every patch of :data:`.patches.PATCHES` and logs what it patched.
-    """
+    """Make ``accelerate.Accelerator`` this class for code that looks the name up afterwards (modules that
+    imported it before keep accelerate's), after :func:`.versions.check_versions`; applies the ``register`` and
+    ``accelerator`` patches of :data:`.patches.PATCHES`.  Idempotent."""
     check_versions()
     use_cpu_state_for_launch()
     patches.install(register=True)
