@@ -1,28 +1,19 @@
 """The Accelerator's state I/O: ``save_state`` / ``load_state``, and accelerate's free FSDP functions.
 
-``transformers.Trainer`` (checkpoints, resume, ``load_best_model_at_end``) and other code call
-``accelerate.utils.save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` / ``load_fsdp_optimizer``
-directly.  Those enter torch FSDP's ``state_dict_type`` context, which finds no torch FSDP module in an
-accel_flatshard model and fails (``KeyError: None``).  :mod:`.patches` replaces the four names everywhere they
-are looked up by the functions below; for a model that accel_flatshard does not shard they call accelerate's
-original.  ``Accelerator.save_state`` / ``load_state`` (:func:`save_state`, :func:`load_state`) use the same four.
-
-The layout is accelerate's for torch FSDP (names from ``accelerate.utils.constants``), so accelerate's tools
-(``accelerate merge-weights``) and the Trainer's checkpoint detection keep working:
-
-* SHARDED_STATE_DICT: ``pytorch_model_fsdp_{i}/`` and ``optimizer_{i}/``, DCP directories written by every rank
-  (``checkpoint/sharded.py``: keys are the parameter names, optimizer state under ``state.<name>.<key>``);
-* FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` / ``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` /
-  ``optimizer_{i}.bin``, written by rank 0 with ``torch.save`` through the atomic writer;
-* ``save_state`` also writes ``scheduler.bin``, ``scaler.pt``, sampler states, ``random_states_{rank}.pkl`` and
-  ``custom_checkpoint_{i}.pkl`` with accelerate's own helpers (``save_accelerator_state`` with empty model and
-  optimizer lists, as its FSDP path does); the order of steps, the hooks and ``automatic_checkpoint_naming`` /
-  ``total_limit`` follow ``Accelerator.save_state`` / ``load_state`` of accelerate 1.15.
-
-Every accel_flatshard model in ``accelerator._models`` is saved (index ``i`` in prepare order), and every
-optimizer (index ``i``, with the one model whose parameters it updates).  Loading looks at what is on disk (a
-run may switch ``state_dict_type`` between save and load, as the transformers docs advise for the final save),
-rank 0 deciding for everyone.
+The Trainer (checkpoints, resume, ``load_best_model_at_end``) and other code call accelerate's ``save_fsdp_model``
+/ ``load_fsdp_model`` / ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` directly; their torch FSDP
+``state_dict_type`` context finds no torch FSDP module in an accel_flatshard model (``KeyError: None``).
+:mod:`.patches` puts the functions below in their place (accelerate's original runs for a model accel_flatshard
+does not shard); :func:`save_state` / :func:`load_state` use the same four.  The layout is accelerate's for torch
+FSDP (names from ``accelerate.utils.constants``), so ``accelerate merge-weights`` and the Trainer's checkpoint
+detection keep working: SHARDED_STATE_DICT writes the DCP directories ``pytorch_model_fsdp_{i}/`` and
+``optimizer_{i}/`` from every rank (``checkpoint/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
+``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` / ``optimizer_{i}.bin`` from rank 0 (atomically).
+``save_state`` writes the rest (scheduler, scaler, samplers, RNG, custom objects) with accelerate's own helpers,
+following accelerate 1.15's order of steps, hooks and ``automatic_checkpoint_naming`` / ``total_limit``.  Every
+accel_flatshard model of ``accelerator._models`` is saved (index ``i`` in prepare order), and every optimizer with
+the one model it updates.  Loading reads the layout on disk (a run may switch ``state_dict_type`` between save and
+load, as the transformers docs advise for the final save), rank 0 deciding for everyone.
 """
 from __future__ import annotations
 
@@ -31,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -56,10 +48,8 @@ __all__ = ["save_state", "load_state", "wait_for_saves", "save_fsdp_model", "loa
 logger = logging.getLogger(__name__)
 wait_for_saves = commit.wait_for_saves  # end_training: the save in flight first
 
-_ORIGINALS: Dict[str, Callable[..., Any]] = {
-    name: getattr(_accelerate_fsdp_utils, name)
-    for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
-}
+_ORIGINALS: Dict[str, Callable[..., Any]] = {name: getattr(_accelerate_fsdp_utils, name) for name in (
+    "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")}
 
 
 def state_dict_type_name(plugin: Any) -> str:
@@ -87,6 +77,10 @@ def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------- one save, one load
+# set (lists) while an asynchronous save_state or Trainer checkpoint runs: see _save and _snapshots
+SNAPSHOTS = SimpleNamespace(parts=None, readies=None)
+
+
 def _check_use_dcp(use_dcp: bool, what: str) -> None:
     if not use_dcp:
         raise ValueError(
@@ -95,18 +89,31 @@ def _check_use_dcp(use_dcp: bool, what: str) -> None:
 
 
 def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str], what: str,
-          save_sharded: Callable[[str], None], gather_full: Callable[[], Dict[str, Any]]) -> None:
-    """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``."""
-    dir_name, file_name = names
+          save_sharded: Callable[[str], None], gather_full: Callable[[], Dict[str, Any]],
+          entries: Callable[[], Tuple[Any, Dict, Dict]]) -> None:
+    """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``.  During an
+    asynchronous save (``SNAPSHOTS.parts`` set) this step's state is copied to host memory instead (``entries()``
+    under SHARDED; FULL: rank 0's gathered CPU copies) and the writer of its part goes to ``SNAPSHOTS.parts``."""
     os.makedirs(output_dir, exist_ok=True)
-    if state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT":
-        path = os.path.join(output_dir, dir_name)
+    sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
+    path = os.path.join(output_dir, names[0] if sharded else names[1])
+    if sharded and SNAPSHOTS.parts is not None:
+        _, live, meta = entries()
+        snapshot, ready = commit.snapshot_entries(live)
+        SNAPSHOTS.readies.append(ready)
+        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
+        SNAPSHOTS.parts.append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
+        return
+    if sharded:
         logger.info(f"Saving {what} to {path}")
         save_sharded(path)
     else:
-        path = os.path.join(output_dir, file_name)
-        state = gather_full()  # collective; rank 0 gets the dict
-        if accelerator.process_index == 0:
+        state, main = gather_full(), accelerator.process_index == 0  # collective; rank 0 gets the dict, others {}
+        if SNAPSHOTS.parts is not None:
+            SNAPSHOTS.parts.append(
+                (path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))))
+            return
+        if main:
             logger.info(f"Saving {what} to {path}")
             write_atomic(path, lambda tmp: torch.save(state, tmp))  # a crash never leaves a truncated file
         del state
@@ -139,35 +146,6 @@ def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, 
     accelerator.wait_for_everyone()
 
 
-class _Snapshots:
-    """Set while an asynchronous ``save_state`` or Trainer checkpoint runs: ``save_fsdp_model`` /
-    ``save_fsdp_optimizer`` then copy the state to host memory and add the writer of their part to ``parts``."""
-
-    parts: Optional[List[Tuple[str, Callable[[Any], None]]]] = None
-    readies: Optional[List[Callable[[], None]]] = None
-
-
-SNAPSHOTS = _Snapshots()
-
-
-def _snapshot(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str],
-              entries: Callable[[], Tuple[Any, Dict, Dict]], gather_full: Callable[[], Dict[str, Any]]) -> None:
-    """This step's state of one model or optimizer in host memory (collective); the writer of its part (its DCP
-    directory under SHARDED_STATE_DICT, else the file rank 0 writes) goes to ``SNAPSHOTS.parts``."""
-    os.makedirs(output_dir, exist_ok=True)
-    sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
-    path = os.path.join(output_dir, names[0] if sharded else names[1])
-    if sharded:
-        group, live, meta = entries()
-        snapshot, ready = commit.snapshot_entries(live)
-        SNAPSHOTS.readies.append(ready)
-        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
-        SNAPSHOTS.parts.append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
-        return
-    state, main = gather_full(), accelerator.process_index == 0  # CPU copies on rank 0 (its snapshot), {} elsewhere
-    SNAPSHOTS.parts.append((path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))))
-
-
 # ---------------------------------------------------------------------- the four functions
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output_dir: str, model_index: int = 0,
                     adapter_only: bool = False, use_dcp: bool = True) -> None:
@@ -180,11 +158,9 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_model")
-    if SNAPSHOTS.parts is not None:
-        return _snapshot(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index),
-                         lambda: model_entries(wrapped), lambda: full_state_dict(wrapped))
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
-          lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped))
+          lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped),
+          lambda: model_entries(wrapped))
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
@@ -209,13 +185,9 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
     _check_use_dcp(use_dcp, "save_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
-    if SNAPSHOTS.parts is not None:
-        return _snapshot(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index),
-                         lambda: optimizer_entries(wrapped, optimizer),
-                         lambda: full_optim_state_dict(wrapped, optimizer))
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
           lambda path: save_sharded_optimizer(wrapped, optimizer, path),
-          lambda: full_optim_state_dict(wrapped, optimizer))
+          lambda: full_optim_state_dict(wrapped, optimizer), lambda: optimizer_entries(wrapped, optimizer))
 
 
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, input_dir: str,
@@ -277,8 +249,7 @@ def _parts(acc: Any, sharded: bool) -> List[str]:
 def _snapshots(background: bool) -> Iterator[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]:
     """``(writes, readies)``: while open and ``background``, save_fsdp_* copy their state to host memory and add
     the writer of their part to ``writes`` (and the wait for the copies to ``readies``) instead of writing."""
-    writes: List[Tuple[str, Callable[[Any], None]]] = []
-    readies: List[Callable[[], None]] = []
+    writes, readies = [], []
     if background:
         SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
     try:
@@ -323,15 +294,13 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     ``accelerator.flatshard_async_save``, from ``FLATSHARD_ASYNC_SAVE``) returns once the state is in host memory
     and writes it in the background (``checkpoint/commit.py``)."""
     commit.wait_for_saves()
-    # the default: FLATSHARD_ASYNC_SAVE, read when the Accelerator was made
     background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
-    if config.automatic_checkpoint_naming:
-        output_dir = os.path.join(acc.project_dir, "checkpoints")
+    root = output_dir = (os.path.join(acc.project_dir, "checkpoints") if config.automatic_checkpoint_naming
+                         else output_dir)
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
     os.makedirs(output_dir, exist_ok=True)
-    root = output_dir
     if config.automatic_checkpoint_naming:
         if acc.is_main_process:  # never the newest complete checkpoint (commit.prune_checkpoints)
             commit.prune_checkpoints(root, config.total_limit, reserve=1)
@@ -393,8 +362,7 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
     map_location = load_model_func_kwargs.pop("map_location", None) or "cpu"
     override = load_accelerator_state(input_dir, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index,
                                       acc.scaler, map_location, load_kwargs, **load_model_func_kwargs)
-    if "step" in override:
-        acc.step = override["step"]
+    acc.step = override.get("step", acc.step)
     custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f) is not None]
     if len(custom) != len(acc._custom_objects):
         raise RuntimeError(
@@ -446,6 +414,5 @@ def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[...
 
 
 def newest_complete_trainer_checkpoint(folder: str) -> Optional[str]:
-    """``transformers.trainer_utils.get_last_checkpoint``, skipping incomplete checkpoints (``resume_from_checkpoint
-    =True``)."""
+    """``transformers.trainer_utils.get_last_checkpoint`` skipping incomplete checkpoints (``resume_from_...``)."""
     return commit.newest_complete_checkpoint(folder, prefix="checkpoint-")
