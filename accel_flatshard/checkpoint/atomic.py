@@ -1,17 +1,10 @@
 """The one way this project writes files: atomically and durably (a leaf module: the profiler writes with it too).
 
-* :func:`write_atomic` - a temporary file in the target's directory, written, flushed and fsynced, renamed over the
-  target with ``os.replace``, then the directory fsynced: after a crash the target is the old file or the new one,
-  never a truncated mix.
-* :func:`commit_dir` - the same for a directory built as ``<dir>.tmp-<random>`` (:func:`new_tmp_dir`): its entries
-  are fsynced, a previous ``<dir>`` is renamed to ``<dir>.old-<random>``, the new one renamed in, the parent
-  fsynced, the old one deleted.  A crash between the two renames leaves the previous checkpoint complete under the
-  ``.old-`` name (``sharded.resolve_checkpoint_dir`` finds it).
-
-Example::
-
-    write_atomic("out/model.safetensors", lambda tmp: save_file(tensors, tmp))
-    write_text_atomic("out/phases.md", table)
+:func:`write_atomic` writes a temporary file in the target's directory, fsyncs it, renames it over the target with
+``os.replace`` and fsyncs the directory: after a crash the target is the old file or the new one, never a truncated
+mix.  :func:`commit_dir` does the same for a directory built at :func:`new_tmp_dir` (``<dir>.tmp-<random>``): a
+previous ``<dir>`` is renamed to ``<dir>.old-<random>`` before the new one is renamed in and deleted after, so a
+crash between the two renames leaves it complete under that name (``sharded.resolve_checkpoint_dir`` finds it).
 """
 from __future__ import annotations
 
@@ -20,6 +13,7 @@ import json
 import os
 import shutil
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Dict
 
 __all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir"]
@@ -57,11 +51,7 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    def dump(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    write_atomic(path, dump)
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def write_json_atomic(path: str, obj: Dict[str, Any], indent: int = 1) -> None:
