@@ -16,20 +16,10 @@ import torch.distributed as dist
 from . import options
 
 
-class _Done:
-    """A handle for work that already finished (synchronous call or world size 1)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-DONE = _Done()
-
-
 class _Works:
-    """Several work handles (and an optional completion step) as one."""
+    """Several work handles (and an optional completion step) as one; none: work that already finished."""
 
-    def __init__(self, works, then=None) -> None:
+    def __init__(self, works=(), then=None) -> None:
         self.works, self.then = list(works), then
 
     def wait(self) -> bool:
@@ -41,6 +31,8 @@ class _Works:
             then()
         return True
 
+
+DONE = _Works()  # a synchronous call, or world size 1
 # torch >= 2.13 names the single-tensor collectives *_single; older versions use *_tensor.
 _all_gather_flat: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -105,7 +97,6 @@ class ShardGroup:
     def is_hybrid(self) -> bool:
         return self.replica_group is not None
 
-    # ------------------------------------------------------------------ collectives
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True):
         """Gather every rank's ``shard`` into ``output`` (rank order)."""
         self.bytes_gathered += shard.numel() * shard.element_size()
