@@ -146,7 +146,6 @@ class FlatParameter:
         self._full_bytes = self.unsharded.untyped_storage().nbytes()
         self.free_unsharded()
 
-    # ------------------------------------------------------------------ building
     def full_flat_from_params(self) -> torch.Tensor:
         """A full flat buffer holding the original parameters' current values (zero padding)."""
         out = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
@@ -160,7 +159,6 @@ class FlatParameter:
         with torch.no_grad():
             self.local_shard.copy_(full[lo : lo + self.layout.shard_numel])
 
-    # ------------------------------------------------------------------ unsharded storage
     def alloc_unsharded(self) -> torch.Tensor:
         """Grow the unsharded storage back in place; returns the alias to gather into."""
         storage = self.unsharded.untyped_storage()
@@ -171,7 +169,6 @@ class FlatParameter:
     def free_unsharded(self) -> None:
         self.unsharded.untyped_storage().resize_(0)
 
-    # ------------------------------------------------------------------ views
     def unsharded_views(self) -> List[torch.Tensor]:
         """Views of ``unsharded`` shaped like the original parameters (autograd-tracked when enabled)."""
         pieces = torch.split(self.unsharded, self.layout.split_sizes)
@@ -213,7 +210,6 @@ class FlatParameter:
         for slot, p in zip(self.layout.slots, self.params):
             p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    # ------------------------------------------------------------------ gradients
     def grad_views(self) -> Iterator[Tuple[nn.Parameter, torch.Tensor]]:
         assert self.sharded_grad is not None
         for piece, p in zip(self.pieces, self.params):
