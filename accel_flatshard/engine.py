@@ -102,8 +102,7 @@ class HostAdapter:
         return host.to(self.device, non_blocking=self.stream_ordered)
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """Device -> host on the current stream; on CUDA the host may read ``out`` only after synchronising
-        on an event recorded behind it."""
+        """Device -> host on the current stream (CUDA: ``out`` is ready once an event recorded behind it is)."""
         out.copy_(src, non_blocking=self.stream_ordered)
 
 
@@ -205,7 +204,6 @@ class Engine:
         self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
         self.offload: Optional[HostOffload] = HostOffload(self.streams) if offload else None
 
-    # ------------------------------------------------------------------ all-gather
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
         self.streams.wait_stream(self.all_gather_stream, self.streams.compute_stream())
@@ -258,7 +256,6 @@ class Engine:
         if event is not None:
             self._free_events.append(event)
 
-    # ------------------------------------------------------------------ gradient reduction
     def reduce_grad(self, flat: FlatParameter, full_grad: torch.Tensor, label: str = "") -> None:
         """Start reducing a full flat gradient to this rank's shard (averaged over all ranks)."""
         s = self.streams
