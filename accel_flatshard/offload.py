@@ -8,12 +8,11 @@ holds only what is in flight (a unit's copied shard until gathered, gathered uni
 shard until its copy to the host is issued, activations).  The engine moves them on its side streams through the
 device adapter (``to_device`` / ``to_host`` / ``host_empty``):
 
-1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather;
-2. compute;
-3. reduce-scatter (reduce-scatter stream), post-divide, cast to the shard dtype, device -> host into this
-   module's target buffer on the same stream (the replica stream under hybrid sharding);
-4. end of backward: the host waits for the copies' events, then adds or adopts the host buffers; before
-   an optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
+1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather; 2. compute;
+3. reduce-scatter, post-divide, cast to the shard dtype, device -> host into a :meth:`HostOffload.grad_target`
+   on the same stream (the replica stream under hybrid sharding);
+4. end of backward: the host waits for the copies' events and adds or adopts the host buffers; before an
+   optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
 
 On a CPU device the host *is* the device: nothing is pinned.  The two optimizer step pre-hooks below (wait for
 those copies; a fused host Adam) are ``patches.py`` entries, installed with the first offloaded model.
@@ -56,8 +55,7 @@ class HostOffload:
         return self.host_buffers[-1]
 
     def place_shard(self, flat: FlatParameter) -> None:
-        """Give ``flat`` a host (pinned) ``local_shard``; call before the shard is filled and the
-        parameters are pointed at it."""
+        """Give ``flat`` a host (pinned) ``local_shard``, before it is filled and the parameters point at it."""
         flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()
         flat.keep_grad_buffer = True
         for p in flat.params:
