@@ -1,10 +1,8 @@
 """Auto-wrap policies and the choice of units.
 
-A policy has torch's signature ``policy(module, recurse, nonwrapped_numel) -> bool``: with
-``recurse=True`` it says whether to look inside ``module``; with ``recurse=False`` whether ``module``
-becomes a unit of its own, given the number of its parameters that no inner unit claimed.  So torch's
-own ``transformer_auto_wrap_policy`` / ``size_based_auto_wrap_policy`` partials (what accelerate
-builds) work here unchanged, and ours work with torch FSDP.
+A policy has torch's signature ``policy(module, recurse, nonwrapped_numel) -> bool`` (``recurse=True``: look
+inside ``module``?; ``False``: make it a unit, given its parameters no inner unit claimed?), so torch's policy
+partials (what accelerate builds) work here unchanged, and ours with torch FSDP.
 """
 from __future__ import annotations
 
@@ -93,16 +91,11 @@ def _no_split_modules(model: nn.Module) -> List[str]:
     return list(dict.fromkeys(n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or []))
 
 
-def transformer_auto_wrap_policy(
-    model_or_classes: Union[nn.Module, Sequence[Union[str, Type[nn.Module]]]],
-    layer_classes: Optional[Sequence[Union[str, Type[nn.Module]]]] = None,
-) -> Policy:
-    """Wrap every transformer block as its own unit.
-
-    ``transformer_auto_wrap_policy(model)`` takes the block classes from a Hugging Face model's
-    ``_no_split_modules`` (a model without them: its repeated blocks, :func:`repeated_block_classes`);
-    ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them; ``transformer_auto_wrap_policy([MyBlock])``
-    gives the classes directly.
+def transformer_auto_wrap_policy(model_or_classes: Union[nn.Module, Sequence[Union[str, Type[nn.Module]]]],
+                                 layer_classes: Optional[Sequence[Union[str, Type[nn.Module]]]] = None) -> Policy:
+    """Wrap every transformer block as its own unit: ``transformer_auto_wrap_policy(model)`` takes the classes
+    from a Hugging Face model's ``_no_split_modules`` (else :func:`repeated_block_classes`);
+    ``transformer_auto_wrap_policy(model, ["GPT2Block"])`` names them; ``transformer_auto_wrap_policy([MyBlock])``.
 
     A model's *untied* input embedding and output head (Llama) become units too: the head's gradient is then
     reduced right after its backward, not with the root's at the end (llama-40M step 1.20x -> 0.93x of DDP).
