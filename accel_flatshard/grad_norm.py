@@ -9,21 +9,14 @@ import torch.distributed as dist
 from .comm import ShardGroup
 
 
-def clip_grad_norm_(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
-    max_norm: float,
-    norm_type: float = 2.0,
-    group: Optional[ShardGroup] = None,
-    device: Optional[torch.device] = None,
-) -> torch.Tensor:
-    """Clip the gradients of original parameters by their *global* norm; return that norm.
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float, norm_type: float = 2.0,
+                    group: Optional[ShardGroup] = None, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Clip the gradients of original parameters by their *global* norm (what ``torch.nn.utils.clip_grad_norm_``
+    gives on the unsharded model); return that norm.
 
-    Gradients of wrapped parameters are 1/W shards: their contributions are summed over the shard
-    group (replicas of hybrid sharding hold the same shard and are counted once).  Gradients of
-    parameters that are not sharded are full copies on every rank and are counted once too.  The
-    result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.  Parameters of several wrapped
-    models (each with its own shard group) give the norm over all of them: each model's part is reduced over its
-    own group, then the parts are combined; collective over every group involved, in the order they appear.
+    Sharded gradients' parts are summed over their shard group (hybrid replicas count once); unsharded ones are
+    full copies on every rank, counted once.  Parameters of several wrapped models give the norm over all of them:
+    collective over every group involved, in the order they appear.
 
     Example::
 
@@ -61,8 +54,7 @@ def clip_grad_norm_(
 
 
 def scale_by_clip_coefficient(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as
-    ``torch.nn.utils.clip_grad_norm_`` does (always multiplies, also by exactly 1)."""
+    """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (also by 1), as torch's clip does."""
     clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     # one conversion per (device, dtype), not per gradient: under offload the coefficient is on the GPU and
     # the gradients on the host, and each .to() is a blocking device -> host copy (a host sync)
