@@ -11,12 +11,10 @@ import torch
 class MixedPrecision:
     """Which dtypes the engine computes and communicates in; the local shard stays full precision.
 
-    * ``param_dtype``: dtype of gathered parameters (forward and backward compute, all-gather traffic).
-    * ``reduce_dtype``: dtype in which gradients are reduce-scattered (default: ``param_dtype``); the
-      result is added to the fp32 sharded gradient.
+    * ``param_dtype``: of gathered parameters (forward and backward compute, all-gather traffic).
+    * ``reduce_dtype``: of the reduce-scatter (default ``param_dtype``); added to the fp32 sharded gradient.
     * ``buffer_dtype``: buffers are cast to it once, at wrap time.
-    * ``cast_forward_inputs``: floating-point tensors passed to the root's forward are cast to
-      ``param_dtype``.
+    * ``cast_forward_inputs``: floating-point inputs of the root's forward are cast to ``param_dtype``.
 
     Example::
 
