@@ -4,9 +4,8 @@
     accelerate launch --config_file cfg.yaml -m accel_flatshard.run train.py --lr 1e-4 ...
     accelerate launch --config_file cfg.yaml -m accel_flatshard.run -m my_package.train --lr 1e-4 ...
 
-Calls :func:`accel_flatshard.integrations.accelerate.register` (so the script's
-``from accelerate import Accelerator`` gets accel_flatshard's subclass), then runs the script as
-``__main__`` with ``sys.argv`` as if it had been started directly.
+Calls :func:`accel_flatshard.integrations.accelerate.register` (``from accelerate import Accelerator`` gets
+accel_flatshard's subclass), then runs the script as ``__main__`` as if it had been started directly.
 """
 from __future__ import annotations
 
