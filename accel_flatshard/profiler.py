@@ -130,8 +130,7 @@ def step_phases(events: Iterable[Any], step_prefix: str = "ProfilerStep#") -> Li
 
 
 def phase_table(events_or_steps: Any, title: str = "accel_flatshard profile") -> str:
-    """A markdown table of per-step phase times (median, mean, max, % of step) from ``prof.events()`` or
-    :func:`step_phases`'s result."""
+    """Markdown table of each phase's median, mean, max and % of step, from ``prof.events()`` or :func:`step_phases`."""
     steps = events_or_steps if isinstance(events_or_steps, list) and (
         not events_or_steps or isinstance(events_or_steps[0], dict)) else step_phases(events_or_steps)
     if not steps:
