@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import io
+import itertools
 import math
 import os
 import warnings
@@ -75,11 +76,7 @@ def range_to_chunks(start: int, end: int, shape: Sequence[int]) -> List[Chunk]:
         return []
     if not shape:
         return [Chunk((), (), 0)]
-    out, flat = [], start
-    for offsets, sizes in _rects(start, end, shape):
-        out.append(Chunk(offsets, sizes, flat))
-        flat += math.prod(sizes)
-    return out
+    return [Chunk(offsets, sizes, flat_index(offsets, shape)) for offsets, sizes in _rects(start, end, shape)]
 
 
 def _rects(start: int, end: int, shape: Shape) -> Iterator[Tuple[Shape, Shape]]:
@@ -169,25 +166,21 @@ class FlatRange:
     def dtype(self) -> torch.dtype:
         return self.local.dtype
 
-    def chunks(self) -> List[Chunk]:
-        return range_to_chunks(self.start, self.start + self.local.numel(), self.shape)
-
-    def view(self, chunk: Chunk) -> torch.Tensor:
-        lo = chunk.flat_start - self.start
-        return self.local[lo : lo + chunk.numel].view(chunk.sizes)
-
 
 Entry = Union[FlatRange, torch.Tensor]
 
 
 def _chunks_of(entry: Entry) -> List[Chunk]:
     if isinstance(entry, FlatRange):
-        return entry.chunks()
+        return range_to_chunks(entry.start, entry.start + entry.local.numel(), entry.shape)
     return [Chunk((0,) * entry.dim(), tuple(entry.shape), 0)] if entry.numel() else []
 
 
 def _view(entry: Entry, chunk: Chunk) -> torch.Tensor:
-    return entry.view(chunk) if isinstance(entry, FlatRange) else entry
+    if not isinstance(entry, FlatRange):
+        return entry
+    lo = chunk.flat_start - entry.start
+    return entry.local[lo : lo + chunk.numel].view(chunk.sizes)
 
 
 class FlatSavePlanner(SavePlanner):
@@ -266,9 +259,7 @@ class FlatLoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         view = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            view = view.narrow(dim, off, length)
-        return view
+        return view[tuple(slice(off, off + n) for off, n in zip(read_item.dest_offsets, read_item.lengths))]
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # resolve_tensor returned a view of the destination: the data is already in place
@@ -391,19 +382,14 @@ class _PreloadedReader(FileSystemReader):
         by_item: Dict[MetadataIndex, List[ReadItem]] = {}
         for req in plan.items:
             by_item.setdefault(req.storage_index, []).append(req)
-        per_file: Dict[str, List[Tuple[int, int, MetadataIndex]]] = {}
-        for sidx in by_item:
-            name, off, length = records[sidx]
-            per_file.setdefault(name, []).append((off, length, sidx))
-        for name, items in per_file.items():
+        in_file_order = sorted(by_item, key=lambda sidx: records[sidx][:2])
+        for name, sidxs in itertools.groupby(in_file_order, key=lambda sidx: records[sidx][0]):
             path = os.path.join(str(self.path), name)
             with open(path, "rb") as f:
-                for off, length, sidx in sorted(items, key=lambda t: t[0]):
-                    tensor = self._read_item(f, path, name, off, length, sidx)
+                for sidx in sidxs:
+                    tensor = self._read_item(f, path, *records[sidx], sidx)
                     for req in by_item[sidx]:
-                        src = tensor
-                        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                            src = src.narrow(dim, o, n)
+                        src = tensor[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
                         dst = planner.resolve_tensor(req).detach()
                         if dst.shape != src.shape:
                             raise CheckpointError(f"{path}: {sidx.fqn!r} is {tuple(src.shape)}, not {tuple(dst.shape)}")
@@ -431,16 +417,11 @@ class _PreloadedReader(FileSystemReader):
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
             raise CheckpointError(f"{where}: cannot read tensor data ({type(e).__name__}: {e}); corrupt file") from None
-        md = self._metadata.state_dict_metadata.get(sidx.fqn)
-        chunk = None
-        if isinstance(md, TensorStorageMetadata) and sidx.index is not None and sidx.index < len(md.chunks):
-            chunk = md.chunks[sidx.index]
-        saved = getattr(getattr(md, "properties", None), "dtype", "?")  # the dtype the metadata records
-        if not isinstance(tensor, torch.Tensor) or (isinstance(md, TensorStorageMetadata) and tensor.dtype != saved) \
-                or (chunk is not None and tuple(tensor.shape) != tuple(chunk.sizes)):
+        md = self._metadata.state_dict_metadata[sidx.fqn]  # a TensorStorageMetadata (plan_reads planned the read)
+        saved, sizes = md.properties.dtype, tuple(md.chunks[sidx.index].sizes)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != saved or tuple(tensor.shape) != sizes:
             got = f"{type(tensor).__name__} {getattr(tensor, 'dtype', '')} {tuple(getattr(tensor, 'shape', ()))}"
-            raise CheckpointError(f"{where}: holds {got}, the metadata says {saved} "
-                                  f"{tuple(chunk.sizes) if chunk is not None else ''}")
+            raise CheckpointError(f"{where}: holds {got}, the metadata says {saved} {sizes}")
         return tensor
 
 
