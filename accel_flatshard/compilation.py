@@ -1,16 +1,12 @@
 """torch.compile of a sharded model: which regions are compiled, and that none silently runs eagerly.
 
-* ``regional=True`` (accelerate's ``use_regional_compilation``, torchtitan's recipe): each inner unit's
-  ``forward`` (a transformer block) is compiled *inside* the unit's hooks: gather, view install and free run
-  eagerly around it, and the compiled code reads the parameters as plain views of the gathered flat buffer.
-  Blocks of one class share one graph.  Measured never slower than compiling each block's whole ``__call__``
-  (``module.compile()``, the same as compiling the blocks before wrapping): README "torch.compile".
-* ``regional=False``: ``model.compile()`` in place (the wrapper keeps its class); dynamo breaks the graph
-  at the units' hooks (``unit.py`` disables them for dynamo), i.e. only at unit boundaries.
+* ``regional=True`` (accelerate's ``use_regional_compilation``): each inner unit's ``forward`` is compiled
+  *inside* the unit's hooks (gather, views and free run eagerly around it); blocks of one class share one graph.
+  Never slower than compiling each block's whole ``__call__`` (README "torch.compile").
+* ``regional=False``: ``model.compile()`` in place; dynamo breaks the graph only at the units' hooks.
 
-No silent eager fall-back: a unit's forward goes through a probe whose body runs only when dynamo did not
-run compiled code for that call (a skipped frame, the recompile limit); it warns once per class with the
-cause and the fix.
+No silent eager fall-back: a unit's forward goes through a probe whose body runs only when dynamo did not run
+compiled code for that call (a skipped frame, the recompile limit); it warns once per class with cause and fix.
 """
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ _PROBES: Dict[type, Callable] = {}
 
 
 def compile_model(model: "FullyShardedDataParallel", regional: bool = True, **compile_kwargs: Any) -> None:
-    """Compile ``model`` (a wrapped model) in place; ``compile_kwargs`` go to ``torch.compile``
-    (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``)."""
+    """Compile the wrapped ``model`` in place; ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``...)."""
     if not regional:
         model.compile(**compile_kwargs)
     for unit in model.units:
