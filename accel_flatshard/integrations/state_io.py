@@ -305,6 +305,7 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
         if acc.is_main_process:  # never the newest complete checkpoint (commit.prune_checkpoints)
             commit.prune_checkpoints(root, config.total_limit, reserve=1)
         output_dir = os.path.join(root, f"checkpoint_{acc.save_iteration}")
+        acc.wait_for_everyone()  # no rank looks while rank 0 still deletes (a half-deleted folder reads complete)
         if os.path.exists(output_dir) and commit.missing_parts(output_dir) is None:
             raise ValueError(
                 f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually override "
