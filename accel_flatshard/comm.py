@@ -53,11 +53,9 @@ class ShardGroup:
         self.world_rank = dist.get_rank(self.world_group)
         # e.g. "gloo", "nccl", or "cuda:nccl,cpu:gloo" when accelerate asks for both
         self.backend = str(dist.get_backend(self.world_group))
-        self.uses_nccl = "nccl" in self.backend
-        self.uses_gloo = "gloo" in self.backend
+        self.uses_nccl, self.uses_gloo = "nccl" in self.backend, "gloo" in self.backend
         if shard_size is None or shard_size == self.world_size:
-            self.shard_group, self.replica_group = self.world_group, None
-            self.shard_size = self.world_size
+            self.shard_group, self.replica_group, self.shard_size = self.world_group, None, self.world_size
         else:
             if shard_size < 1 or self.world_size % shard_size != 0:
                 raise ValueError(

@@ -33,8 +33,7 @@ from .profiler import span
 # The adapter of engines made meanwhile (default: the device's); the memory planner's records memory (plan/run.py)
 ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", default=None)
 
-# FSDP2 gives its all-gather / reduce-scatter streams high priority so that communication kernels are
-# scheduled ahead of queued compute kernels (lower number = higher priority).
+# FSDP2's side-stream priority: communication kernels go ahead of queued compute kernels (lower = higher)
 HIGH_PRIORITY = -1
 
 
@@ -76,8 +75,7 @@ class HostAdapter:
     def _nothing(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    # no streams and no events (None); nothing to order: the host waits on the collectives' work handles.
-    # note_alloc / note_free name buffer lifetimes for the tests' simulator only.
+    # no streams or events (None): the host waits on work handles; note_alloc / note_free serve the tests' simulator
     compute_stream = side_stream = record = _nothing
     wait_stream = wait_event = synchronize = record_stream = note_alloc = note_free = _nothing
 

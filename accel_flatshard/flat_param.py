@@ -68,9 +68,8 @@ class FlatParamLayout:
             raise ValueError(f"alignment must be >= 1, got {alignment}")
         self.world_size, self.alignment = world_size, alignment
         slots: List[ParamSlot] = []
-        # One split of the flat buffer into [gap, p0, gap, p1, ..., tail]: taking every parameter's view
-        # from a single split gives autograd one backward node that concatenates the gradients (O(N)),
-        # instead of one full-size scatter per parameter.
+        # Every view comes from one split into [gap, p0, gap, p1, ..., tail]: autograd gets one backward node that
+        # concatenates the gradients (O(N)) instead of one full-size scatter per parameter.
         self.split_sizes: List[int] = []
         self.split_param_index: List[int] = []
         cursor = 0
@@ -118,19 +117,16 @@ class FlatParameter:
                  device: Optional[torch.device] = None) -> None:
         if not params:
             raise ValueError("a FlatParameter needs at least one parameter")
-        dtypes = {p.dtype for p in params}
-        devices = {p.device for p in params}
+        dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"parameters of one FlatParameter must share dtype and device, got {dtypes}, {devices}")
-        self.params = list(params)
-        self.users = [list(u) for u in users]
+        self.params, self.users = list(params), [list(u) for u in users]
         self.dtype = params[0].dtype
         # ``device``: where the shard lives when the parameters are elsewhere (a CPU model wrapped for CUDA:
         # each unit is copied straight into its device buffer, never moved whole)
         self.device = torch.device(device) if device is not None else params[0].device
         self.compute_dtype = compute_dtype or self.dtype
-        self.requires_grad = params[0].requires_grad
-        self.rank = rank
+        self.requires_grad, self.rank = params[0].requires_grad, rank
         self.layout = FlatParamLayout(fqns, [p.shape for p in params], world_size, alignment)
         self.pieces = self.layout.shard_pieces(rank)
 

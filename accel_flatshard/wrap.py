@@ -6,6 +6,7 @@ partials (what accelerate builds) work here unchanged, and ours with torch FSDP.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from typing import Callable, Iterable, List, Optional, Sequence, Set, Type, Union
@@ -63,10 +64,7 @@ def repeated_block_classes(model: nn.Module) -> Set[Type[nn.Module]]:
     for module in model.modules():
         if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        counts: dict = {}
-        for child in module.children():
-            if any(True for _ in child.parameters()):
-                counts[type(child)] = counts.get(type(child), 0) + 1
+        counts = collections.Counter(type(c) for c in module.children() if any(True for _ in c.parameters()))
         repeated = {cls for cls, n in counts.items() if n >= 2 and cls not in (nn.ModuleList, nn.Sequential)}
         for child in module.children():
             if type(child) in repeated:
