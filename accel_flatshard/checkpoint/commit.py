@@ -51,10 +51,9 @@ _NUMBERED = re.compile(r"[^.\d]*?(\d+)")  # checkpoint_12 (accelerate), checkpoi
 
 # ---------------------------------------------------------------------- is a directory complete?
 def _part_present(directory: str, part: str) -> bool:
-    path = os.path.join(directory, part.rstrip("/"))
-    if part.endswith("/"):  # a sharded (DCP) directory: complete once renamed in with its flatshard.json
-        return os.path.isfile(os.path.join(path, "flatshard.json"))
-    return os.path.isfile(path)
+    # a sharded (DCP) directory ("name/") is complete once renamed in with its flatshard.json
+    return os.path.isfile(os.path.join(directory, part, "flatshard.json") if part.endswith("/") else
+                          os.path.join(directory, part))
 
 
 def missing_parts(directory: str) -> Optional[List[str]]:
@@ -116,14 +115,11 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
         return []
     folders = [path for _, path in _numbered_dirs(root) if os.path.basename(path).startswith(prefix)]
     keep = {newest_complete_checkpoint(root, prefix)} | {os.path.normpath(p) for p in protect if p}
-    incomplete = [p for p in folders if missing_parts(p) is not None]
-    doomed = [p for p in incomplete + [p for p in folders if p not in incomplete] if p not in keep]
-    deleted: List[str] = []
-    for path in doomed:
-        if len(folders) - len(deleted) <= max(total_limit - reserve, 0):
-            break
+    # incomplete ones first; the stable sort keeps each kind oldest first
+    doomed = [p for p in sorted(folders, key=lambda p: missing_parts(p) is None) if p not in keep]
+    deleted = doomed[:max(len(folders) - max(total_limit - reserve, 0), 0)]
+    for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
-        deleted.append(path)
     if deleted:
         logger.warning(f"total_limit {total_limit}: deleted {deleted}")
     return deleted
