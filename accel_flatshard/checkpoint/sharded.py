@@ -251,10 +251,9 @@ def resolve_checkpoint_dir(path: str) -> str:
     if os.path.isdir(path):
         names = sorted(os.listdir(path))
         held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
-        if any(n.endswith(".safetensors") for n in names) and "config.json" in names:
-            kind = "a Hugging Face model directory: load it with from_pretrained"
-        else:
-            kind = "a save may have been interrupted, or this is not a sharded checkpoint"
+        hf = any(n.endswith(".safetensors") for n in names) and "config.json" in names
+        kind = ("a Hugging Face model directory: load it with from_pretrained" if hf
+                else "a save may have been interrupted, or this is not a sharded checkpoint")
         raise CheckpointError(f"{path}: not a complete accel_flatshard checkpoint ({META_FILE} is missing; it holds "
                               f"{held}: {kind})")
     leftovers = sorted(d for d in glob.glob(glob.escape(path) + ".old-*") if os.path.isfile(os.path.join(d, META_FILE)))
