@@ -67,11 +67,9 @@ def commit_dir(tmp: str, final: str) -> None:
     """Move the finished directory ``tmp`` to ``final``, replacing a previous checkpoint there (module doc)."""
     final = os.path.normpath(final)
     fsync_dir(tmp)
-    old = None
     if os.path.lexists(final):
-        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
+        os.rename(final, f"{final}.old-{uuid.uuid4().hex[:8]}")
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
-    for leftover in ([old] if old else []) + glob.glob(glob.escape(final) + ".old-*"):  # also earlier interrupted ones
+    for leftover in glob.glob(glob.escape(final) + ".old-*"):  # the one just renamed and earlier interrupted ones
         shutil.rmtree(leftover, ignore_errors=True)
