@@ -12,11 +12,9 @@ older accel_flatshard) is judged by its files, as before; an empty one is incomp
 Asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or ``save_state(..., async_save=True)``): :func:`snapshot_entries`
 copies this rank's state to host memory (CUDA: pinned buffers filled on the engine adapter's ``checkpoint`` side
 stream, which first waits for the compute stream and which the compute stream then waits for, so no later
-optimizer step changes a tensor before it is copied; the host does not block).  :func:`start_save` writes on a
-background thread over a gloo group of its own (never interleaved with the training's collectives), gathers
-every rank's outcome and lets rank 0 commit.  At most one save is in flight: :func:`wait_for_saves` (the next
-``save_state``, ``load_state``, ``end_training``, interpreter exit) joins it and raises its failure, naming the
-file, on every rank.
+optimizer step changes a tensor before it is copied; the host does not block).  :func:`start_save` writes it on a
+background thread; at most one save is in flight, and :func:`wait_for_saves` (the next ``save_state``,
+``load_state``, ``end_training``, interpreter exit) joins it and raises its failure, naming the file, on every rank.
 """
 from __future__ import annotations
 
