@@ -201,7 +201,8 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
                for infos in groups for info in infos if info.fqn in schema}
     param_groups = []
     for g, infos in zip(optimizer.param_groups, groups):
-        hyper = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in group_hyperparams(g).items()}
+        hyper = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                 for k, v in group_hyperparams(g).items()}
         param_groups.append({**hyper, "params": [i.fqn for i in infos]})
     return {"state": ordered, "param_groups": param_groups}
 
