@@ -233,8 +233,7 @@ class Engine:
                 self.streams.synchronize(self._free_events.popleft())
 
     def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
-        """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered (unless waited for
-        already: by the limit on gathers in flight, or a drain)."""
+        """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered, unless waited for already."""
         entry = self._gathers.pop(flat, None)
         if entry is None:
             return
@@ -384,8 +383,7 @@ class Engine:
                     self.streams.record_stream(r.shard_out, self.streams.compute_stream())
 
     def drain(self) -> None:
-        """Finish the gathers in flight before code outside the training step reads or writes the shards
-        (reductions are finished at the end of every backward)."""
+        """Finish the gathers in flight before code outside the step reads or writes the shards."""
         for flat in list(self._gathers):
             self.wait_unshard(flat)
         if self.offload is not None:

@@ -14,12 +14,10 @@ Layout (world size W of the shard group, alignment A elements)::
 
 Storage held by a :class:`FlatParameter` (per rank):
 
-* ``local_shard`` - this rank's slice in the parameters' dtype (the fp32 master under mixed precision).  Each
-  ``nn.Parameter`` keeps its identity, its ``.data`` the 1-D view of its part (possibly empty), so optimizers
-  update the shard in place and keep state of size 1/W.
-* ``unsharded`` - a leaf tensor of ``padded_numel`` elements in compute dtype; while the unit runs the modules'
-  attributes are views of it (one flat gradient in ``unsharded.grad``).  Its storage is freed by resizing to
-  zero bytes and re-grown in place, which keeps views (and tensors autograd saved) valid.
+* ``local_shard`` - this rank's slice (the fp32 master under mixed precision); each ``nn.Parameter`` keeps its
+  identity, its ``.data`` the 1-D view of its part, so optimizers update the shard in place with 1/W of the state.
+* ``unsharded`` - a leaf of ``padded_numel`` elements in compute dtype, viewed by the modules while the unit runs;
+  freed by resizing its storage to 0 bytes and re-grown in place: views (and tensors autograd saved) stay valid.
 * ``sharded_grad`` - this rank's slice of the reduced gradient; each parameter's ``.grad`` views its part.
 
 No process group is held here: collectives live in ``comm.py`` and are scheduled by ``engine.py``, except the
