@@ -237,10 +237,8 @@ class Accelerator(_BaseAccelerator):
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
-        """Model and optimizer per ``fsdp_state_dict_type`` (FULL: rank 0 writes one file each; SHARDED: every
-        rank writes its shard), then scheduler, scaler, samplers, RNG and custom objects via accelerate;
-        ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and optimizer in the background; an
-        Accelerator that is not sharding saves synchronously and says so once (accelerate has no such keyword)."""
+        """:func:`.state_io.save_state`; ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and
+        optimizer in the background; an Accelerator that is not sharding saves synchronously and says so once."""
         async_save = save_model_func_kwargs.pop("async_save", None)
         if self._flatshard_options is not None:
             return state_io.save_state(self, output_dir, safe_serialization, async_save=async_save)
@@ -343,10 +341,9 @@ def register() -> None:
 
 
 def register_for_launch_without_runner() -> None:
-    """An FSDP launch of several processes without ``-m accel_flatshard.run`` (``accel_flatshard_autoload``, called
-    once accelerate is loaded): on a host without CUDA, where accelerate's own FSDP fails (FSDP1 configs) or trains
-    one unsharded copy per process (FSDP2 configs), :func:`register` as the runner does; with CUDA, nothing
-    (accelerate's torch FSDP runs as configured)."""
+    """An FSDP launch of several processes without ``-m accel_flatshard.run`` (``accel_flatshard_autoload``): on a
+    host without CUDA, where accelerate's own FSDP fails (FSDP1) or trains unsharded copies (FSDP2),
+    :func:`register` as the runner does; with CUDA, nothing (accelerate's torch FSDP runs as configured)."""
     if torch.cuda.is_available():
         return
     logging.getLogger(__name__).warning(
