@@ -290,9 +290,8 @@ def _end_save(acc: Any, output_dir: str, manifest: Dict[str, Any], background: b
 
 def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True,
                async_save: Optional[bool] = None) -> str:
-    """``Accelerator.save_state`` for accel_flatshard models (see the module docstring); ``async_save`` (default:
-    ``accelerator.flatshard_async_save``, from ``FLATSHARD_ASYNC_SAVE``) returns once the state is in host memory
-    and writes it in the background (``checkpoint/commit.py``)."""
+    """``Accelerator.save_state`` for accel_flatshard models; ``async_save`` (default: ``FLATSHARD_ASYNC_SAVE``)
+    returns once the state is in host memory and writes it in the background (``checkpoint/commit.py``)."""
     commit.wait_for_saves()
     background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
