@@ -1,11 +1,8 @@
 """What ``accel-flatshard plan`` does with each ``accelerate launch`` flag and yaml key (``__main__.py`` asks).
 
-Every destination of accelerate's launch parser, and every attribute a yaml adds to its namespace, is in exactly
-one of three tables: :data:`PLANNED` (it reaches the plan), :data:`INERT` (it changes nothing in a training
-step's memory: launcher plumbing, loading, the checkpoint format) and :data:`REFUSED` (set to anything but its
-default, the plan stops and names it, with the reason).  :func:`check_launch_args` enforces that after
-accelerate merged the flags and the yaml; tests/test_plan.py checks that the tables cover the installed
-accelerate's parser.
+Each launch parser destination and yaml attribute is in exactly one table: :data:`PLANNED` (reaches the plan),
+:data:`INERT` (no change to a step's memory) or :data:`REFUSED` (set off its default, the plan stops naming it and
+why); tests/test_plan.py checks the tables cover the installed accelerate's parser.
 """
 from __future__ import annotations
 
@@ -63,13 +60,10 @@ INERT: Dict[str, str] = {
                     "only with mixed_precision fp8, which is refused"),
 }
 
-_DEEPSPEED = "DeepSpeed's (an FSDP launch does not pass it to the script)"
 _MEGATRON = "Megatron-LM's (an FSDP launch does not pass it to the script)"
 REFUSED: Dict[str, str] = {
-    "cpu": "accelerate then ignores the FSDP section (no sharding)",
-    "use_cpu": "accelerate then ignores the FSDP section (no sharding)",
-    "multi_gpu": "not an FSDP launch", "tpu": "not an FSDP launch", "use_deepspeed": "not an FSDP launch",
-    "use_megatron_lm": "not an FSDP launch",
+    **dict.fromkeys(("cpu", "use_cpu"), "accelerate then ignores the FSDP section (no sharding)"),
+    **dict.fromkeys(("multi_gpu", "tpu", "use_deepspeed", "use_megatron_lm"), "not an FSDP launch"),
     "dynamo_backend": "the plan measures the eager step; a compiled step saves other activations (plan with "
                       "--dynamo_backend no for the eager step)",
     "fsdp_activation_checkpointing_offload": "not supported by accel_flatshard",
@@ -79,7 +73,7 @@ REFUSED: Dict[str, str] = {
                      "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag",
                      "zero3_save_16bit_model", "deepspeed_hostfile", "deepspeed_exclusion_filter",
                      "deepspeed_inclusion_filter", "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names"),
-                    _DEEPSPEED),
+                    "DeepSpeed's (an FSDP launch does not pass it to the script)"),
 }
 
 _UNSET = (None, False, "", "no", "none", "false", "[]")  # values that ask for nothing (as strings, lowercased)
@@ -92,20 +86,16 @@ def _is_set(value: Any, default: Any) -> bool:
 
 
 def check_launch_args(args: argparse.Namespace) -> None:
-    """Refuse, naming it, a flag or yaml key of :data:`REFUSED` set to something else than its default (the
-    parser's) or any attribute in none of the tables (a key this accelerate added, or a misspelt yaml key
-    accelerate copied without a check)."""
+    """Refuse, naming it, a :data:`REFUSED` setting off the parser's default, or one in no table (a key this
+    accelerate added, or a misspelt yaml key accelerate copied without a check)."""
     from accelerate.commands.launch import launch_command_parser
 
     defaults = vars(launch_command_parser().parse_args(["train.py"]))
     for name, value in sorted(vars(args).items()):
         if name in PLANNED or name in INERT:
             continue
-        if name.startswith("megatron_lm_"):
-            reason = _MEGATRON
-        elif name in REFUSED:
-            reason = REFUSED[name]
-        else:
+        reason = _MEGATRON if name.startswith("megatron_lm_") else REFUSED.get(name)
+        if reason is None:
             raise ValueError(f"launch setting {name!r} (flag --{name} or its yaml key) is unknown to the planner: it "
                              "cannot say what it does to memory (remove it to plan, or report it)")
         if _is_set(value, defaults.get(name)):
