@@ -1,7 +1,5 @@
-"""The planner's measurement (plan/run.py): the dispatch mode that counts the device's bytes in use after every
-op (:class:`_Trace`, with what the engine's device adapter notes), what lets a real run's ops run on fake tensors
-(an ``aten._grouped_mm`` fallback; a batch's attention masks run for real) and the error that names the op that
-could not (:func:`_why_fake_failed`).
+"""The planner's measurement (plan/run.py): :class:`_Trace` counts the device's bytes in use after every op, what
+lets a real run's ops run on fake tensors, and the error naming the op that could not (:func:`_why_fake_failed`).
 """
 from __future__ import annotations
 
@@ -27,14 +25,12 @@ class _Trace(TorchDispatchMode):
         self.known, self.cuda, self.kind = set(), cuda, "activations"  # known: storages not counted
         self.storages: Dict[int, List[Any]] = {}  # key -> [bytes, kind], on the device
         self.kinds: Dict[str, int] = collections.Counter()
-        self.host: set = set()  # storage keys in host memory (CUDA offload)
-        self.recorded: set = set()  # storage keys a record_stream keeps past their free
+        self.host, self.recorded = set(), set()  # storage keys: in host memory (CUDA offload), kept past their free
         self.lingering: List[Tuple[int, int, str]] = []  # (the first event that frees it, bytes, kind)
         self.events, self.live, self.peak = 0, 0, 0
         self.on_peak: Optional[Callable[[], None]] = None
         self.failed: Any = None  # the first op that raised (named in the planner's error)
-        # id -> a real tensor (a batch's mask): ops on these alone run for real (run.py)
-        self.real: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.real = weakref.WeakValueDictionary()  # id -> a real tensor (a batch's mask): ops on these alone run real
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs, kwargs = tensors_in((args, kwargs)), kwargs or {}
@@ -140,12 +136,8 @@ def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tenso
     (a weight gradient) one matrix per group, 2D x 3D / 3D x 2D the jagged rows, 3D x 3D a bmm."""
     if a.dim() == 2 and b.dim() == 2:
         shape = (offs.size(0), a.size(0), b.size(1))
-    elif a.dim() == 2:
-        shape = (a.size(0), b.size(-1))
-    elif b.dim() == 2:
-        shape = (a.size(1), b.size(1))
-    else:
-        shape = (a.size(0), a.size(1), b.size(-1))
+    else:  # (2D x 3D: a's rows; 3D x 3D: a's batch and rows)
+        shape = (*a.shape[:-1], b.size(-1)) if b.dim() == 3 else (a.size(1), b.size(1))
     return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
 
 
@@ -153,17 +145,15 @@ def _why_fake_failed(op: Any, exc: Exception) -> str:
     """The op that did not run on fake tensors, and why (fake tensors have shapes and dtypes, no values)."""
     kind = type(exc).__name__
     if kind == "DynamicOutputShapeException":
-        why = (f"{op}'s output shape depends on the tensor values (as nonzero, masked_select, unique do), which fake "
+        return (f"{op}'s output shape depends on the tensor values (as nonzero, masked_select, unique do), which fake "
                "tensors do not have: the memory depends on the data (a transformers MoE model on its eager experts "
                "path loops over the experts hit: experts_implementation='grouped_mm', its default, plans)")
-    elif kind == "DataDependentOutputException":
-        why = (f"{op} reads tensor values (.item(), bool(tensor), Python branching on them), which fake tensors do "
+    if kind == "DataDependentOutputException":
+        return (f"{op} reads tensor values (.item(), bool(tensor), Python branching on them), which fake tensors do "
                "not have")
-    elif op is not None:
-        why = f"{op}'s fake (meta) kernel refused these inputs, though the op may run for real: {exc}"
-    else:
-        why = f"{kind}: {exc}"
-    return why
+    if op is not None:
+        return f"{op}'s fake (meta) kernel refused these inputs, though the op may run for real: {exc}"
+    return f"{kind}: {exc}"
 
 
 def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
