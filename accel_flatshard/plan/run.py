@@ -1,10 +1,8 @@
-"""The planner's step (``Planner.predict``): the real wrapper, its Schedule and Engine unchanged, trains the
-model for two steps on fake tensors over a fake process group of the planned size (this process is rank 0, the
-fullest shard), with a device adapter that records memory where the real one moves it (``engine.ADAPTER``), so
-every decision of the schedule is the engine's own.  ``"cpu"``: gloo's; ``"cuda"``: the CUDA adapter over streams
-and events that are numbers (the GPU lags arbitrarily: a ``record_stream``'ed block is free once the host waited
-for a later event; offload's host buffers are not device memory).  The last step is measured; its micro-steps
-after the second repeat the second, so at most two run.
+"""The planner's step (``Planner.predict``): the real wrapper, its Schedule and Engine unchanged, trains the model
+for two steps on fake tensors over a fake process group of the planned size (this process is rank 0, the fullest
+shard), with a device adapter recording memory where the real one moves it (``engine.ADAPTER``).  ``"cuda"``: the
+CUDA adapter over numbered streams and events (the GPU lags arbitrarily: a ``record_stream``'ed block is free once
+the host waited for a later event).  The last step is measured (micro-steps after its second repeat the second).
 """
 from __future__ import annotations
 
@@ -52,10 +50,7 @@ class _Numbered:
     def __init__(self, trace: _Trace) -> None:
         self.trace, self.number = trace, -1
 
-    def wait_event(self, *args: Any) -> None:
-        pass
-
-    wait_stream = wait_event
+    wait_event = wait_stream = HostAdapter._nothing
 
     def record(self, stream: Any = None) -> None:
         self.number, self.trace.events = self.trace.events, self.trace.events + 1
@@ -92,6 +87,7 @@ class _Cuda(_Gloo, CudaStreams):
 
 PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffers", "gathered units", "full gradients",
          "activations", "optimizer step")  # what is held at the peak, by kind (activations: and transient buffers)
+PERSISTENT = ("parameter shards", "optimizer state", "module buffers")  # (the rest: "... at the peak")
 
 
 def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
@@ -110,8 +106,7 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     try:
         meta = planner.build()
         with fake_world(planner.world_size, "fake_nccl_gloo" if cuda else "fake_gloo"), \
-                FakeTensorMode(allow_non_fake_inputs=True), \
-                warnings.catch_warnings():
+                FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
             model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
             wrapped = FullyShardedDataParallel(model, auto_wrap_policy=opts.auto_wrap_policy(model),
@@ -180,8 +175,8 @@ def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) ->
 
 
 def _snapshot(wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, sharded: bool) -> int:
-    """Host bytes of the asynchronous save's snapshot on this rank, by the save's own code (``state_io``):
-    SHARDED, the entries it copies; FULL, the model and optimizer state gathered to rank 0."""
+    """Host bytes of the asynchronous save's snapshot on this rank, by the save's own code: SHARDED, the entries it
+    copies; FULL, the model and optimizer state gathered to rank 0."""
     if sharded:
         return sum(snapshot_bytes(entries) for _, entries, _ in (model_entries(wrapped),
                                                                  optimizer_entries(wrapped, optimizer)))
