@@ -1,11 +1,8 @@
 """The memory planner (``accel-flatshard plan``): each rank's peak memory in a training step, before the launch.
 
-The model is built on the meta device; ``prepare``'s own code shards it on paper for the cost model
-(``wrap.select_units``, ``fully_sharded._assign_owners``, ``FlatParamLayout``, the options of
-``integrations/config.py``).  The peak is measured, not derived: the real wrapper trains the model for two steps
-on fake tensors at one rank's micro-batch, its Schedule and Engine deciding every gather, prefetch, reduction and
-free, while a device adapter and a dispatch mode count the memory (``run.py``, ``trace.py``).  :func:`recommend`
-ranks what fits by :func:`step_time`; the command line is ``__main__.py``.
+The model is built on the meta device and sharded on paper by ``prepare``'s own code for the cost model.  The peak
+is measured, not derived: the real wrapper trains it for two steps on fake tensors (``run.py``, ``trace.py``).
+:func:`recommend` ranks what fits by :func:`step_time`; the command line is ``__main__.py``.
 """
 from __future__ import annotations
 
@@ -73,10 +70,8 @@ class Config:
 class Planner:
     """One rank's peak for a model (``build()``: a fresh meta-device model), options and per-device batch.
 
-    ``make_batch(n)``: the forward's inputs for ``n`` samples (a dict of keyword arguments, a tuple, or an
-    ``(args, kwargs)`` pair; under fake tensors); the loss is the output's ``.loss``, else the output (summed).
-    ``device``: "cuda", or "cpu" (gloo point-to-point, no stream lag); ``autocast``: accelerate's
-    ``mixed_precision`` also autocasts the forward; ``optimizer``: a torch.optim class (foreach on CUDA)."""
+    ``make_batch(n)``: the forward's inputs for ``n`` samples (a dict, a tuple, or an ``(args, kwargs)`` pair); the
+    loss is the output's ``.loss``, else the output (summed).  ``device``: "cuda" or "cpu" (no stream lag)."""
 
     def __init__(self, build: Callable[[], nn.Module], options: FlatShardOptions, world_size: int, batch_size: int,
                  make_batch: Callable[[int], Any], device: str = "cuda", autocast: bool = False,
@@ -85,8 +80,7 @@ class Planner:
         self.make_batch, self.device, self.autocast, self.optimizer = make_batch, device, autocast, optimizer
         self.num_machines, self.tokens = num_machines, tokens  # (tokens per sample: for the cost model)
         mp = options.mixed_precision
-        self.param_dtype = mp.param_dtype if mp else None
-        self.reduce_dtype = mp.effective_reduce_dtype if mp else None
+        self.param_dtype, self.reduce_dtype = (mp.param_dtype, mp.effective_reduce_dtype) if mp else (None, None)
         model = build()
         self.class_name, self.numel = type(model).__name__, sum(p.numel() for p in model.parameters())
         units = select_units(model, options.auto_wrap_policy(model))
@@ -99,9 +93,8 @@ class Planner:
             setattr(self, name, functools.lru_cache(maxsize=None)(getattr(self, name)))
 
     def sizes(self, shard_size: int) -> Dict[str, int]:
-        """Bytes of the flat parameters on rank 0 (the fullest shard) at this group size, for the cost model:
-        ``gathered`` (and each full gradient, compute dtype), ``shard``, ``trainable_shard``, and the gradients
-        in the reduce dtype, ``full_reduce`` and ``shard_reduce``."""
+        """Bytes of rank 0's (the fullest) flat parameters at this group size, for the cost model: ``gathered``,
+        ``shard``, ``trainable_shard``, and gradients in the reduce dtype, ``full_reduce`` and ``shard_reduce``."""
         out: Dict[str, int] = collections.Counter()
         for fqns, shapes, dtype, trainable in self._flats:
             layout, compute = FlatParamLayout(fqns, shapes, shard_size), self.param_dtype or dtype
@@ -140,10 +133,9 @@ def step_time(planner: Planner, cfg: Config) -> float:
 
 
 def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tuple[Config, Prediction, float]]:
-    """The configurations whose predicted peak fits ``device_memory``, fastest first (:func:`step_time`); of
-    those differing only in prefetch or limit_all_gathers, the fastest.  Tried, fastest first until ``limit``
-    fit: the strategies and group sizes (W, a node, 1) x prefetch x limit_all_gathers x AC x offload (CUDA) x
-    micro-batches (the divisors of the batch, with either kind of accumulation)."""
+    """Up to ``limit`` configurations whose predicted peak fits ``device_memory``, fastest first, one per kind (of
+    those differing only in prefetch or limit_all_gathers, the fastest): strategies and group sizes (W, a node, 1)
+    x prefetch x limit_all_gathers x AC x offload (CUDA) x micro-batches (either kind of accumulation)."""
     W, B = planner.world_size, planner.batch_size
     groups = sorted({W} | {g for g in (max(1, W // planner.num_machines), 1) if W % g == 0})
     batches = [(m, acc) for m in range(B, 0, -1) if B % m == 0
@@ -187,10 +179,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: FlatShardOptions, world_size: int,
                            autocast: bool, available_bytes: Callable[[torch.device], int]) -> None:
-    """``prepare`` (CUDA): at the prepared model's first forward (its inputs give the batch), predict this rank's
-    peak (``skeleton``: :func:`meta_copy` of the model before wrapping) and warn once if it exceeds
-    ``available_bytes(device)``, with the fastest configuration predicted to fit.  A warning, not an error:
-    the prediction may be pessimistic (it assumes the host runs ahead of the GPU)."""
+    """``prepare`` (CUDA): at the first forward (its inputs give the batch), warn once if this rank's predicted peak
+    (``skeleton``: :func:`meta_copy` before wrapping) exceeds ``available_bytes(device)``, naming what fits.  Not an
+    error: the prediction may be pessimistic."""
     device = wrapped._schedule.device
 
     def check(module: nn.Module, args: Any, kwargs: Any) -> None:
