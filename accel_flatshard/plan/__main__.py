@@ -1,10 +1,7 @@
 """``accel-flatshard plan`` / ``python -m accel_flatshard.plan``: the memory planner's command line.
 
-The model comes from ``--model`` (a Hugging Face config, or ``module:function`` for your own ``nn.Module``),
-the options from accelerate's own launch flags and yaml (``integrations.config.options_from_launch_args``; each
-flag and key is planned, inert or refused by name: ``launch.py``), the accumulation from
-``--gradient_accumulation_steps`` and ``--accumulation``; it prints the per-rank breakdown of
-:class:`~accel_flatshard.plan.Planner`'s prediction and, with
+The model comes from ``--model``, the options from accelerate's own launch flags and yaml (each planned, inert or
+refused by name: ``launch.py``); it prints :class:`~accel_flatshard.plan.Planner`'s per-rank breakdown and, with
 ``--device_memory``, the configurations that fit (``--json``: the same as JSON, the peak under ``peak_bytes``).
 """
 from __future__ import annotations
@@ -25,6 +22,7 @@ import torch.nn as nn
 from ..integrations.config import options_from_launch_args
 from ..sizes import parse_size
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
+from .run import PERSISTENT
 from .launch import check_launch_args
 
 
@@ -38,9 +36,8 @@ def _function(spec: str) -> Callable:
 
 
 def model_factory(spec: str) -> Callable[[], nn.Module]:
-    """``--model``: ``module:function`` / ``file.py:function`` returning the ``nn.Module`` (called under
-    ``torch.device("meta")``), else a Hugging Face config (a directory with ``config.json`` or a hub name in
-    the local cache; nothing is downloaded) built by ``AutoModelForCausalLM`` (else ``AutoModel``)."""
+    """``--model``: ``module:function`` / ``file.py:function`` returning the ``nn.Module`` (called on the meta
+    device), else a Hugging Face config (a directory, or a hub name cached: nothing is downloaded)."""
     if ":" in spec and not os.path.isdir(spec):
         factory = _function(spec)
     else:
@@ -89,12 +86,10 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
                cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
                    f"{k} {v:.3g}" for k, v in HARDWARE.items()))
     if rows:
-        # FLATSHARD_GENERATION_BUDGET_MB, planned the same way: what generate() may keep gathered next to the
-        # shards, optimizer state and buffers (gradients are released by then) and the activations of a training
-        # forward at this micro-batch (a bound for generation's activations and KV cache)
+        # FLATSHARD_GENERATION_BUDGET_MB: what generate() may keep gathered next to what persists (gradients are
+        # released by then) and a training forward's activations (a bound for generation's and its KV cache)
         best, parts = rows[0][0], rows[0][1].parts
-        kept = parts["parameter shards"] + parts["optimizer state"] + parts["module buffers"]
-        budget = device_memory - kept - rows[0][1].saved
+        budget = device_memory - sum(parts[kind] for kind in PERSISTENT) - rows[0][1].saved
         whole = planner.sizes(best.shard_size)["gathered"]
         out["recommended"] = settings(best, W, planner.batch_size) + [
             f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
@@ -106,8 +101,7 @@ def print_report(out: Dict[str, Any]) -> None:
     mib, saved = (lambda n: f"{n / 2**20:,.1f}"), out["activations_saved_for_backward"]
     print(f"{out['model']}\n{out['config']}\n{'per rank':<40}{'MiB':>10}")
     for name, value in out["at_peak"].items():
-        kept = name in ('parameter shards', 'optimizer state', 'module buffers')
-        print(f"  {name + ('' if kept else ' at the peak'):<38}{mib(value):>10}")
+        print(f"  {name + ('' if name in PERSISTENT else ' at the peak'):<38}{mib(value):>10}")
     print(f"  {'activations saved for backward':<38}{mib(saved['without_checkpointing']):>10}   (with activation "
           f"checkpointing: {mib(saved['with_checkpointing'])})\n{'peak':<40}{mib(out['peak_bytes']):>10}   in the "
           f"{out['where']}")
@@ -152,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def planned(args: argparse.Namespace, launch: List[str]) -> Tuple[Planner, Config]:
-    """The planner and configuration for ``accel-flatshard plan``'s own flags (``args``) and accelerate's
-    launch flags (``launch``); nothing is traced yet."""
+    """The planner and configuration for the plan's own flags and accelerate's launch flags (not traced yet)."""
     options, launched = options_from_launch_args(launch)
     check_launch_args(launched)
     steps = 1 if launched.gradient_accumulation_steps is None else int(launched.gradient_accumulation_steps)
