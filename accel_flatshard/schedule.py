@@ -1,13 +1,10 @@
 """The step of one wrapped model, and the only writer of its units' state (:class:`Schedule`).
 
-:class:`Schedule` holds the step's order, read top to bottom below: the module hooks of every unit (forward,
-backward), which unit is prefetched (the next in the recorded forward order; the previous one in backward),
-which stays gathered (the root, the last unit, a unit read from outside its forward), and the end of the step
-(the autograd callback that completes the reductions and frees every unit).  Outside the step it gathers the
-whole model (:meth:`Schedule.summon`: ``summon_full_params``, gather-once generation) or keeps chosen units
-gathered across forwards (:meth:`Schedule.keep`, generation.py decides which).  Every other module asks it;
-none moves a unit's :class:`~.unit.UnitState` or reaches its engine (tests/test_layout.py).  Also here: the
-optimizer step pre-hook that refuses a step during backward (:func:`refuse_step_during_backward`).
+Read top to bottom: the units' hooks (forward, backward), prefetch (the next unit in the recorded forward order;
+the previous one in backward), what stays gathered (the root, the last unit, a unit read outside its forward)
+and the end of backward (an autograd callback).  Outside the step it gathers the whole model (:meth:`summon`) or
+keeps chosen units gathered (:meth:`keep`, generation.py decides which).  No other module moves a unit's
+:class:`~.unit.UnitState` or reaches its engine (tests/test_layout.py).  Also: :func:`refuse_step_during_backward`.
 """
 from __future__ import annotations
 
@@ -110,9 +107,8 @@ class Schedule:
             if unit.state is UnitState.FORWARD:  # the previous forward raised inside this unit
                 unit.uninstall_views()
                 unit.state = UnitState.IDLE
-            # Units still gathered from an earlier forward (the root, the last unit) are freed: their buffers may
-            # be stale if the shards were written since (summon, load_state_dict) and no backward followed.  A
-            # backward of that earlier forward gathers them again.
+            # units gathered since an earlier forward (root, last unit) may be stale if the shards were written
+            # since (summon, load_state_dict) without a backward: freed (that forward's backward regathers them)
             unit.release()
             for flat in unit.flat_params:
                 flat.check_params_are_shard_views()
@@ -145,8 +141,7 @@ class Schedule:
                     "accel_flatshard: units ran in a different order than in the first step; prefetch is "
                     f"off for this step and follows the new order afterwards.\n  recorded: "
                     f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
-                    stacklevel=4,
-                )
+                    stacklevel=4)
         if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
             recorded[index + 1].unshard()
 
@@ -193,10 +188,9 @@ class Schedule:
     # ------------------------------------------------------------------ reads from outside a unit's forward
     @torch.compiler.disable
     def read_outside_forward(self, unit: Unit) -> bool:
-        """A parameter of ``unit`` is read by code outside its forward (``_reading_class``).  While the model
-        runs forward (or recomputes it in backward: every rank does the same read then) gather the unit, install
-        its views and return True; otherwise False (the reader gets the shard).  Read in a forward, the unit
-        stays gathered until that forward ends, and with grad until its backward is over (``_end_outside_reads``)."""
+        """Code outside ``unit``'s forward reads its parameter (outside_reads.py): while the model runs forward (or
+        recomputes it in backward: every rank reads then too) gather the unit, install its views, return True
+        (kept to the forward's end, with grad to its backward's: ``_end_outside_reads``); else False (the shard)."""
         if not (self.in_forward or (self.in_backward and inside_backward_pass())):
             return False
         unit.unshard()
@@ -208,10 +202,9 @@ class Schedule:
         return True
 
     def _end_outside_reads(self) -> None:
-        """The forward that read units from outside ended: their attributes show shards again.  With grad enabled
-        autograd saved the views (also of frozen parameters: the input gradient needs them), so a unit stays
-        gathered for backward, and is gathered again when backward starts if something freed it meanwhile (a
-        no-grad forward in between)."""
+        """The forward that read units from outside ended: their attributes show shards again.  With grad, autograd
+        saved the views (frozen ones too: input gradients need them), so the unit stays gathered for backward
+        (gathered again when backward starts if a no-grad forward in between freed it)."""
         for unit in self._outside_reads:
             unit.uninstall_views()
             if torch.is_grad_enabled():
@@ -305,7 +298,7 @@ class Schedule:
                 previous.unshard()
 
     def _end_backward(self) -> None:
-        """End of backward (autograd callback): complete the reductions, free every unit, reset the states."""
+        """The autograd callback at the end of backward: complete the reductions, free and reset every unit."""
         self.engine.finish_reduces()
         self._reset_after_backward()
 
@@ -332,8 +325,7 @@ class Schedule:
         return self.engine.device
 
     def ensure_idle(self, what: str) -> None:
-        """Raise during forward/backward; else free kept units (they go stale once the shards are written) and
-        finish every collective in flight."""
+        """Raise during forward/backward; else free kept units (stale once shards are written), drain collectives."""
         busy = [u.name for u in self.units if u.state not in (UnitState.IDLE, UnitState.AWAIT_BACKWARD)]
         if busy or self.in_backward:
             raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
@@ -359,11 +351,10 @@ class Schedule:
 
     @contextlib.contextmanager
     def summon(self, writeback: bool, dtype: str = "master") -> Iterator[None]:
-        """Parameters as full tensors until exit; the units are SUMMONED (their hooks stand aside: forwards run the
-        plain module), gradients are stashed (a full-shaped ``.data`` next to a 1-D ``.grad``).  ``dtype``:
-        ``"master"``, new buffers gathered now after :meth:`ensure_idle` (with ``writeback`` changes inside are
-        kept); ``"compute"``, the buffers of units kept by :meth:`keep`.  ``model.to(dtype)`` inside (TRL's GRPO
-        with ``bf16=True``) is undone on exit and never written back: the masters keep every bit."""
+        """Full parameters until exit; units are SUMMONED (hooks stand aside), gradients stashed (a 1-D ``.grad``
+        cannot sit next to a full ``.data``).  ``dtype``: ``"master"``, buffers gathered now after :meth:`ensure_idle`
+        (``writeback`` keeps changes); ``"compute"``, the kept units' buffers.  ``model.to(dtype)`` inside (TRL's
+        GRPO, ``bf16=True``) is undone on exit, never written back: the masters keep every bit."""
         if dtype not in ("master", "compute"):
             raise ValueError(f"summon: dtype must be 'master' or 'compute', got {dtype!r}")
         if dtype == "master":
@@ -413,9 +404,7 @@ def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwa
         if inside_backward_pass():
             raise RuntimeError(
                 "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
-                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns."
-            )
+                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns.")
         raise RuntimeError(
             "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
-            "unreduced. Run forward and backward again before stepping."
-        )
+            "unreduced. Run forward and backward again before stepping.")
