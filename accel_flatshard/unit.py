@@ -1,7 +1,7 @@
-"""The state of one unit and its transitions: a module, the flat parameters it owns, where it is in the step.
+"""One unit (a module: a transformer block, or the root; the flat parameters it owns) and its state.
 
-A unit is one module (a transformer block, or the root) plus the flat parameters it owns.  Its state has
-two coordinates, each an enum that every hook checks (as torch FSDP2's ``TrainingState`` and ``ShardedState``):
+Its state has two coordinates, each an enum that every hook checks (as torch FSDP2's ``TrainingState`` and
+``ShardedState``):
 
 * :class:`UnitState`, where it is in the step::
 
@@ -9,15 +9,13 @@ two coordinates, each an enum that every hook checks (as torch FSDP2's ``Trainin
         ^                 (no grad: back to IDLE)                                          | its gradients
         +--------- end of backward (the root's autograd callback) ---- BACKWARD_DONE <------+ are issued
 
-  and SUMMONED (``Schedule.summon``: the parameters are full tensors, the hooks stand aside).  A forward
-  recomputed in backward (activation checkpointing) changes no state.  Only the schedule (``schedule.py``)
-  moves a unit along it.
+  and SUMMONED (``Schedule.summon``: full parameters, hooks stand aside).  A forward recomputed in backward
+  (activation checkpointing) changes no state.  Only the schedule (``schedule.py``) moves a unit along it.
 * :class:`ShardedState`, where its parameters are: SHARDED --unshard--> GATHERING --wait_unshard--> GATHERED
   --reshard--> SHARDED, or KEPT (gathered across forwards for generation or a frozen model: reshards leave it).
-  The methods below make these moves, calling the engine.
+  The methods below make these moves, calling the engine (schedule -> unit -> engine).
 
-An unexpected state raises :class:`UnitStateError` naming the unit, the states and the hook.  Calls go one
-way: schedule -> unit -> engine.
+An unexpected state raises :class:`UnitStateError` naming the unit, the states and the hook.
 """
 from __future__ import annotations
 
@@ -32,14 +30,10 @@ from .wrap import backward_reads_parameters
 
 
 class BackwardPrefetch(enum.Enum):
-    """When to start gathering the unit that runs next in backward.
+    """When to start gathering the unit that runs next in backward."""
 
-    ``BACKWARD_PRE``: when the current unit's backward starts (most overlap, one more unit in memory).
-    ``BACKWARD_POST``: when the current unit's gradients are complete (less memory, less overlap).
-    """
-
-    BACKWARD_PRE = enum.auto()
-    BACKWARD_POST = enum.auto()
+    BACKWARD_PRE = enum.auto()  # when the current unit's backward starts (most overlap, one more unit in memory)
+    BACKWARD_POST = enum.auto()  # when the current unit's gradients are complete (less memory, less overlap)
 
 
 class UnitState(enum.Enum):
