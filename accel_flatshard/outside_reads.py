@@ -2,12 +2,10 @@
 
 Some models read a child unit's parameter from the parent's forward (TRL's fused LM head computes
 ``hidden @ lm_head.weight.T`` without calling an untied ``lm_head`` unit).  Every module that registers a
-parameter of a non-root unit gets a subclass of its own class (same name: class-name lookups and
-``isinstance`` keep working, as with torch ``fully_shard``'s ``FSDP<cls>``) whose ``__getattr__`` intercepts
-those names.  Python calls it only when normal lookup misses (inside the unit's forward the view in
-``__dict__`` is found: the hot path is untouched).  A miss while the model runs calls
-``Schedule.read_outside_forward`` (schedule.py: it gathers the unit and keeps it for backward); at any other
-time the shard is returned (a gather is collective).
+parameter of a non-root unit gets a subclass of its own class (same name: ``isinstance`` and class-name lookups
+keep working, as with torch's ``FSDP<cls>``) whose ``__getattr__`` runs only when normal lookup misses (not in
+the unit's forward: the hot path is untouched).  A miss while the model runs calls
+``Schedule.read_outside_forward``; at any other time the shard is returned (a gather is collective).
 """
 from __future__ import annotations
 
