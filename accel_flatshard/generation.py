@@ -1,25 +1,20 @@
 """Generation and online RL under sharding: how often units are gathered while a model generates.
 
-Per decoding step a sharded model runs one forward; gathering every unit at every step (the training
-schedule) costs W-1 shards of the whole model per token.  This module owns the alternatives:
+Gathering every unit at every decoding step (the training schedule) costs W-1 shards of the whole model per
+token.  The alternatives:
 
-* ``Schedule.summon``: full parameters (new master-dtype buffers, or the kept units' own), so forwards inside
-  run the plain module and ``generate()`` there gathers nothing.
-* A *generation session* around ``generate()`` of the unwrapped model (its ``generate`` is wrapped at
-  wrap time, :func:`generate_in_session`): units chosen by the plan are gathered at the start and kept
-  (``Schedule.keep``) to the end of the call, in compute dtype; the others are gathered per step.  When
-  the plan keeps every unit the session summons them (gather-once: no hook work per step).
-  ``FLATSHARD_GENERATION_MODE``: ``budget`` (default) keeps units while the gathered bytes held at any moment
-  stay within ``FLATSHARD_GENERATION_BUDGET_MB`` (``auto``: half the memory free when generate() starts,
-  MemAvailable on CPU; warned once when not all fit); ``full`` keeps every unit, whatever the memory
-  (DeepSpeed's ``ds3_gather_for_generation``); ``per_unit`` is the training schedule at every step.
-* TRL's seam (:func:`trl_summon_full_params`, an entry of ``patches.py``): ``DistributedBackend.summon_full_params(
-  model_wrapped, recurse=False)`` becomes ``summon_full_params(writeback=False)`` when the full model (master
-  dtype) fits the budget, else the generation session.
-* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): a wrapped model's no-grad forwards
-  (the DPO/KTO/GRPO reference's log-probs) keep its units gathered (within the budget) for its next
-  no-grad forwards, until the next optimizer step of any optimizer (TRL's ``sync_ref_model`` writes after
-  it; a hook of ``patches.py``), a forward of that model with grad, or ``ensure_idle``.
+* A *generation session* around the unwrapped model's ``generate()`` (:func:`generate_in_session`, set at wrap
+  time): the planned units are gathered once and kept (``Schedule.keep``, compute dtype) to the end of the call,
+  the others gathered per step; when all are kept the session summons them (no hook work per step).
+  ``FLATSHARD_GENERATION_MODE``: ``budget`` (default) keeps units while the gathered bytes held at any moment stay
+  within ``FLATSHARD_GENERATION_BUDGET_MB`` (``auto``: half the memory free when generate() starts; warned once
+  when not all fit); ``full`` keeps every unit (DeepSpeed's ``ds3_gather_for_generation``); ``per_unit`` is the
+  training schedule.
+* TRL's seam (:func:`trl_summon_full_params`, ``patches.py``): ``summon_full_params(model_wrapped, recurse=False)``
+  is a summon without writeback when the whole model (master dtype) fits the budget, else the session.
+* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): no-grad forwards (a DPO/KTO/GRPO
+  reference's log-probs) keep the planned units gathered for the next ones, until any optimizer step (TRL's
+  ``sync_ref_model`` writes after it), a forward of that model with grad, or ``ensure_idle``.
 
 ``ensure_idle`` (checkpoint loads, summon) releases every kept unit: no stale buffer survives a write to the
 shards (writing them by other means needs ``model.ensure_idle(...)`` first).
@@ -64,18 +59,14 @@ def unit_bytes(unit: Unit, master: bool = False) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory free now: on CUDA the device's free memory plus what the caching allocator holds unused,
-    MemAvailable of the host otherwise."""
+    """On CUDA the device's free memory plus what the caching allocator holds unused; else MemAvailable."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(torch.cuda.mem_get_info(device)[0]) + cached
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
@@ -117,8 +108,7 @@ class GenerationControl:
         return wrapper
 
     def budget(self) -> int:
-        """Collective: the smallest of every rank's budget (ranks that planned differently would issue different
-        gathers and ``synced_gpus``: a hang, or gathers matched to the wrong flat parameters)."""
+        """Collective: the smallest of the ranks' budgets (different plans would issue different gathers: a hang)."""
         mine = self.options.budget_bytes
         if mine is None:
             mine = free_memory_bytes(self.schedule.device) // 2
@@ -195,6 +185,7 @@ def _mib(n: int) -> str:
 
 
 _CONTROL_ATTR = "_flatshard_generation"
+_CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
 
 
 def control_of(model: nn.Module) -> GenerationControl:
@@ -229,9 +220,8 @@ def set_generation_options(model: nn.Module, **changes: Any) -> GenerationOption
 
 # ---------------------------------------------------------------------- generate() of the unwrapped module
 def generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``generate`` of the unwrapped module (what ``accelerator.unwrap_model(model).generate`` calls), set on the
-    instance at wrap time: the class's ``generate`` inside a session, robust to any decoding strategy (the class
-    is untouched)."""
+    """``generate`` of the unwrapped module (``accelerator.unwrap_model(model).generate``), set on the instance at
+    wrap time: the class's ``generate`` inside a session, for any decoding strategy."""
     control = control_of(self)
     with control.session() as everything_kept:
         if not everything_kept and control.wrapper.shard_group.world_size > 1 and kwargs.get("synced_gpus") is None:
@@ -241,13 +231,9 @@ def generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return type(self).generate(self, *args, **kwargs)
 
 
-_CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
-
-
 def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
-    """Root pre-forward (after the root unit's own hook).  With ``keep_frozen_gathered``: a no-grad forward
-    (a reference model's log-probs) keeps the planned units gathered for the following ones; a forward
-    with grad first releases them (training frees units after use as always)."""
+    """Root pre-forward hook (after the root unit's) of ``keep_frozen_gathered``: a no-grad forward keeps the
+    planned units gathered for the following ones; a forward with grad releases them first."""
     control: GenerationControl = module.__dict__[_CONTROL_ATTR]
     if control.active:
         return
@@ -258,8 +244,7 @@ def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
 
 
 def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step post-hook (``patches.py``): any step may change shards (TRL's ``sync_ref_model`` writes
-    the reference after it), so units kept by frozen models are released."""
+    """Optimizer step post-hook (``patches.py``): any step may change shards, so frozen models' units are freed."""
     for control in list(_CONTROLS):
         if not control.active:
             control.schedule.release()
@@ -274,11 +259,8 @@ def trl_summon_full_params(original: Callable) -> Callable:
     @functools.wraps(original)
     @contextlib.contextmanager
     def summon_full_params(self: Any, module: nn.Module, **kwargs: Any) -> Iterator[None]:
-        if find_wrapper(module) is None:
-            with original(self, module, **kwargs):
-                yield
-            return
-        with trl_generation_context(module, **kwargs):
+        ours = find_wrapper(module) is not None
+        with trl_generation_context(module, **kwargs) if ours else original(self, module, **kwargs):
             yield
 
     return summon_full_params
@@ -291,9 +273,6 @@ def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: 
     (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
     control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
-    if control.options.mode == "full" or (kept and len(kept) == len(control.schedule.units)):
-        with control.schedule.summon(writeback=False):
-            yield
-        return
-    with control.session():
+    everything = control.options.mode == "full" or (kept and len(kept) == len(control.schedule.units))
+    with control.schedule.summon(writeback=False) if everything else control.session():
         yield
