@@ -1,9 +1,7 @@
-"""The wrapper: builds units and flat parameters from a model.
-
-``FullyShardedDataParallel(model)`` decides the units (root + auto-wrapped blocks), assigns every
-parameter to one unit (tied parameters to the lowest unit that contains all their users), materialises a
-meta-device model one unit at a time (low RAM: a rank holds about ``model size / W`` plus one unit), builds
-the flat parameters and shards them.  The step (hooks, order, prefetch, backward) is ``schedule.Schedule``.
+"""The wrapper: ``FullyShardedDataParallel(model)`` decides the units (root + auto-wrapped blocks), assigns every
+parameter to one unit (tied ones to the lowest unit containing all their users), materialises a meta-device
+model one unit at a time (a rank holds about ``model size / W`` plus one unit), builds and shards the flat
+parameters.  The step (hooks, order, prefetch, backward) is ``schedule.Schedule``.
 """
 from __future__ import annotations
 
@@ -39,31 +37,28 @@ class FullyShardedDataParallel(nn.Module):
         module: the model; its parameters must all be on one device (CPU with gloo, CUDA with nccl).
         process_group: ranks to shard over (default: the world).
         auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel)`` choosing the inner units, e.g.
-            :func:`transformer_auto_wrap_policy` or :func:`size_based_auto_wrap_policy`; torch's
-            policies work too.  ``None``: one unit (the root).
-        reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3); ``False``
-            keeps them until backward (ZeRO-2 like: more memory, one all-gather less).
+            :func:`transformer_auto_wrap_policy`; torch's policies work too.  ``None``: one unit (the root).
+        reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3); ``False`` keeps
+            them until backward (ZeRO-2 like: more memory, one all-gather less).
         backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``.
         forward_prefetch: gather the next unit while the current one runs forward (default ``True``: with
             BACKWARD_PRE the fastest exact schedule measured, README "Speed"; one more unit gathered).
         fsdp_group_size: shard inside groups of this many ranks and all-reduce across groups (hybrid).
         mixed_precision: a :class:`MixedPrecision` policy.
-        sync_module_states: broadcast rank 0's parameters and buffers to every rank at wrap time
-            (unit by unit; other ranks may hold a meta-device model).
-        param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors; called unit by
-            unit so that only one unit is ever held in full (default: ``to_empty`` + ``reset_parameters``).
-        limit_all_gathers: at most this many all-gathers in flight (on CUDA also: at most this many freed
-            gathered buffers the compute stream has not yet finished with; the host waits beyond).
+        sync_module_states: broadcast rank 0's parameters and buffers at wrap time (unit by unit; other
+            ranks may hold a meta-device model).
+        param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors, unit by unit
+            (default: ``to_empty`` + ``reset_parameters``).
+        limit_all_gathers: at most this many all-gathers in flight (on CUDA also: freed gathered buffers the
+            compute stream has not yet finished with; the host waits beyond).
         device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
-            module, the current CUDA device.  A module elsewhere is copied there unit by unit while
-            sharding, so the device never holds more than one unit unsharded.
+            module, the current CUDA device.  A module elsewhere is copied there unit by unit.
         cpu_offload: ``CPUOffload(offload_params=True)`` (or torch's ``CPUOffload`` / ``CPUOffloadPolicy``)
             keeps shards, sharded gradients and optimizer state in (pinned) host memory; the optimizer
-            steps on the host (``offload.py``).  On a CPU device the shards are there already.
+            steps on the host (``offload.py``).
 
-    After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter``
-    objects, each a 1-D view of this rank's slice of its values; build the optimizer from them
-    (before or after wrapping).  Example::
+    After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter`` objects, each
+    a 1-D view of this rank's slice; build the optimizer from them (before or after wrapping).  Example::
 
         model = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -124,10 +119,8 @@ class FullyShardedDataParallel(nn.Module):
             for params, _, users in owned[id(unit_module)]:
                 _refresh_params(params, users)
             _move_unit_buffers(unit_users.values(), device)
-            flats = [
-                self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
-                for params, fqns, users in owned[id(unit_module)]
-            ]
+            flats = [self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
+                     for params, fqns, users in owned[id(unit_module)]]
             unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
                         reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
@@ -160,9 +153,7 @@ class FullyShardedDataParallel(nn.Module):
     def _sync_buffers(self, sync_module_states: bool) -> None:
         buffer_dtype = self.mixed_precision.buffer_dtype if self.mixed_precision else None
         for module in self.module.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is None:
-                    continue
+            for name, buf in [(n, b) for n, b in module._buffers.items() if b is not None]:
                 if sync_module_states:
                     self.shard_group.broadcast_from_rank0(buf)
                 if buffer_dtype is not None and buf.is_floating_point():
@@ -188,7 +179,7 @@ class FullyShardedDataParallel(nn.Module):
     # state dicts (state_dict/model.py): full, collective, like torch FSDP's FULL_STATE_DICT default
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Collective: the plain model's state dict on global rank 0 (CPU), ``{}`` on other ranks."""
-        return model_state.state_dict(self, *args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)  # (its post-hook gathers; keys without a wrapper prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Collective: load a full dict (on every rank, or on rank 0 with ``{}`` elsewhere) and reshard it."""
@@ -196,10 +187,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """This rank's 1-D slices under the original names (not collective; same world size to load)."""
-        return model_state.local_state_dict_of(self, *args, **kwargs)
+        with model_state.local_slices(self.module):
+            return self.module.state_dict(*args, **kwargs)
 
     def load_local_state_dict(self, state_dict, strict: bool = True):
-        return model_state.load_local_state_dict(self, state_dict, strict=strict)
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -224,16 +216,10 @@ class FullyShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True, recurse: bool = True, rank0_only: bool = False,
                            offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
-        """Gather every parameter in full: inside, the model's parameters have their real shapes, so
-        ``state_dict()`` equals the plain model's and ``load_state_dict`` of a full dict works; forwards
-        and ``generate()`` inside run the plain model, gathering nothing.  With ``writeback`` (default)
-        changes made inside are kept; ``model.to(dtype)`` inside is undone on exit.  ``recurse`` is accepted
-        for torch FSDP's signature (the whole model is gathered either way); torch's other arguments only at
-        their defaults.  See ``Schedule.summon``.  Example::
-
-            with model.summon_full_params():
-                full = model.state_dict()   # on every rank
-        """
+        """Every parameter in full inside (``state_dict()`` is the plain model's, on every rank; forwards and
+        ``generate()`` gather nothing); ``writeback`` keeps changes made inside.  ``recurse`` is accepted for torch
+        FSDP's signature (the whole model is gathered), its other arguments only at their defaults.  See
+        ``Schedule.summon``."""
         if rank0_only or offload_to_cpu or with_grads:
             raise ValueError(f"accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
                              f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank "
@@ -251,8 +237,7 @@ class FullyShardedDataParallel(nn.Module):
         return sum(f.numel_bytes() for f in self.flat_params)
 
     def ensure_idle(self, what: str) -> None:
-        """Raise if called during forward/backward; otherwise free the units kept gathered and finish every
-        collective in flight.  For code that reads or writes shards outside the training step (checkpointing)."""
+        """For code that reads or writes shards outside the step (checkpointing): see ``Schedule.ensure_idle``."""
         self._schedule.ensure_idle(what)
 
     def extra_repr(self) -> str:
@@ -277,23 +262,19 @@ def wants_offload(cpu_offload: Any) -> bool:
 
 # ---------------------------------------------------------------------- ownership
 def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict[int, list], Dict[int, nn.Module]]:
-    """For each unit, its flat-parameter groups: (params, fqns, users), one group per (dtype, requires_grad); and
-    for each module the innermost unit module containing it.  A parameter belongs to the innermost unit
-    containing its module; one registered by modules of several units (tied weights) to their lowest common
-    ancestor unit."""
+    """Each unit's flat-parameter groups (params, fqns, users), one per (dtype, requires_grad), and each module's
+    innermost unit module.  A parameter belongs to its module's innermost unit; one registered by modules of
+    several units (tied weights) to their lowest common ancestor unit."""
     unit_ids = {id(m) for m in unit_modules}
     innermost: Dict[int, nn.Module] = {}  # module id -> innermost unit module containing it
     unit_parent: Dict[int, Optional[nn.Module]] = {id(root): None}
 
     def visit(module: nn.Module, current_unit: nn.Module) -> None:
         innermost[id(module)] = current_unit
-        for child in module.children():
-            if id(child) in innermost:
-                continue
-            child_unit = child if id(child) in unit_ids else current_unit
-            if child_unit is child:
+        for child in (c for c in module.children() if id(c) not in innermost):
+            if id(child) in unit_ids:
                 unit_parent[id(child)] = current_unit
-            visit(child, child_unit)
+            visit(child, child if id(child) in unit_ids else current_unit)
 
     visit(root, root)
 
@@ -369,12 +350,10 @@ def materialize_own_tensors(module: nn.Module, device: torch.device) -> None:
 
 
 def _materialize(modules: Iterable[nn.Module], device: torch.device, param_init_fn: Optional[ParamInitFn]) -> None:
-    """Materialise the modules (of one unit) that still hold meta tensors of their own: ``param_init_fn(module)``
-    (on every rank; it must allocate and initialise only that module's own tensors, ``recurse=False``: modules
-    of other units may be sharded already), else storage on ``device`` and the module's ``reset_parameters``."""
-    for module in modules:
-        if not _has_own_meta_tensors(module):
-            continue
+    """Materialise one unit's modules that hold meta tensors of their own: ``param_init_fn(module)`` (every rank;
+    only that module's own tensors, ``recurse=False``: other units' may be sharded already), else storage on
+    ``device`` and the module's ``reset_parameters``."""
+    for module in filter(_has_own_meta_tensors, modules):
         if param_init_fn is not None:
             param_init_fn(module)
         else:

@@ -7,24 +7,18 @@ slices of the parameters.  Code written for DDP or torch FSDP calls ``state_dict
 torch FSDP's default ``FULL_STATE_DICT`` with ``rank0_only=True, offload_to_cpu=True`` (accelerate's setting):
 
 * ``state_dict()`` of either is **collective**: a rendezvous first (:func:`require_all_ranks`: a call under
-  ``if is_main_process:`` fails within seconds and writes no weights), then :func:`full_state_dict` gathers one
-  flat parameter at a time; global rank 0 gets the plain model's keys on CPU (tied parameters share one
-  tensor), other ranks ``{}``;
+  ``if is_main_process:`` fails within seconds, writing no weights), then :func:`full_state_dict` gathers one
+  flat parameter at a time; global rank 0 gets the plain model's keys on CPU, other ranks ``{}``;
 * the wrapper's ``load_state_dict(full)`` is :func:`load_full_state_dict`: every rank passes the dict, or rank 0
   passes it and the others ``{}``/``None`` (each tensor is then broadcast from rank 0);
 * inside ``summon_full_params()`` both are the module's own (parameters are full already, no gather);
 * this rank's slices go by explicit names: ``wrapper.local_state_dict()`` / ``load_local_state_dict()`` (same
   world size and rank) and, inside, the context :func:`local_slices`.
 
-:func:`install` (at wrap time, collective: it creates a gloo group over the model's ranks) stores one
-:class:`ShardedModuleRecord` on both the wrapper and the user's module (``__dict__``, so a dropped model leaves
-nothing behind); :func:`find_wrapper` is the package's one wrapped-model detection.  :class:`ModelIndex` maps
-every state-dict key to its flat parameter, slot and this rank's piece.
-
-Example (the full dicts: :func:`load_full_state_dict`'s docstring)::
-
-    index = ModelIndex(model, "my check")
-    index.params["lm_head.weight"].aliases                   # ("transformer.wte.weight", "lm_head.weight")
+:func:`install` (at wrap time) stores one :class:`ShardedModuleRecord` on both the wrapper and the user's module
+(``__dict__``: a dropped model leaves nothing behind); :func:`find_wrapper` is the package's one wrapped-model
+detection.  :class:`ModelIndex` maps every state-dict key (tied parameters: ``ParamInfo.aliases``) to its flat
+parameter, slot and this rank's piece.
 """
 from __future__ import annotations
 
@@ -85,9 +79,7 @@ class ShardedModuleRecord:
 def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None]) -> None:
     """Record ``wrapper`` (its module and ``units``) on itself and its module and make the module's ``state_dict()``
     the full one (collective at wrap time: it creates a gloo group over the model's ranks)."""
-    record = ShardedModuleRecord(wrapper, units, ensure_idle)
-    wrapper.__dict__[_ATTR] = record
-    wrapper.module.__dict__[_ATTR] = record
+    wrapper.__dict__[_ATTR] = wrapper.module.__dict__[_ATTR] = ShardedModuleRecord(wrapper, units, ensure_idle)
     wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
 
 
@@ -200,12 +192,10 @@ class ModelIndex:
 
     def describe(self) -> Dict[str, Any]:
         """The JSON description of the model's tensors (canonical names, shapes, dtypes, aliases)."""
-        tensors: Dict[str, Any] = {}
-        for name, info in self.params.items():
-            tensors[name] = {"kind": "param", "shape": list(info.shape), "dtype": dtype_to_str(info.dtype),
-                             "aliases": list(info.aliases[1:])}
-        for name, buf in self.buffers.items():
-            tensors[name] = {"kind": "buffer", "shape": list(buf.shape), "dtype": dtype_to_str(buf.dtype)}
+        tensors = {name: {"kind": "param", "shape": list(info.shape), "dtype": dtype_to_str(info.dtype),
+                          "aliases": list(info.aliases[1:])} for name, info in self.params.items()}
+        tensors.update({name: {"kind": "buffer", "shape": list(buf.shape), "dtype": dtype_to_str(buf.dtype)}
+                        for name, buf in self.buffers.items()})
         return tensors
 
 
@@ -244,7 +234,7 @@ def plan_on_every_rank(group, mode: str, make_plan: Callable[[], Any]) -> Any:
 def full_value(group, mode: str, value: Optional[torch.Tensor], numel: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """One full tensor of a dict being loaded, flattened: this rank's own (``mode == "local"``), or global rank
-    0's broadcast to every rank (``value`` is None elsewhere).  Callers then take their slice of it."""
+    0's broadcast to every rank (``value`` is None elsewhere)."""
     if mode == "local":
         return value.detach().reshape(-1)
     buf = (value.detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
@@ -254,18 +244,9 @@ def full_value(group, mode: str, value: Optional[torch.Tensor], numel: int, dtyp
 
 # ---------------------------------------------------------------------- the full state dict
 def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool = True) -> Dict[str, Any]:
-    """Gather the plain model's state dict from a sharded model (collective: call on every rank).
-
-    Exactly what the plain model's ``state_dict()`` returns (same keys, order, shapes; tied parameters under
-    every name, sharing one tensor; persistent buffers), so it loads with ``plain.load_state_dict(sd)`` and
-    saves with ``save_pretrained(state_dict=sd)``.  Peak memory on rank 0 is the result plus one gathered flat
-    parameter (none on ranks outside rank 0's shard group under hybrid sharding).
-
-    Args:
-        model: a ``FullyShardedDataParallel`` model (outside forward/backward).
-        rank0_only: only global rank 0 receives the dict; other ranks get ``{}``.
-        cpu_offload: return CPU tensors (copies); otherwise tensors stay on the model's device.
-    """
+    """Collective: the plain model's ``state_dict()`` (same keys, order, shapes; tied parameters under every name,
+    sharing one tensor) gathered from ``model`` outside forward/backward; ``rank0_only``: other ranks get ``{}``;
+    ``cpu_offload``: CPU copies.  Peak memory on rank 0: the result plus one gathered flat parameter."""
     index = ModelIndex(model, "full_state_dict")
     require_all_ranks(model, "gathering the full state dict")  # a main-process-only call fails fast
     group = index.group
@@ -282,13 +263,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
         return {}
     with local_slices(index.module):
         local = index.module.state_dict(keep_vars=True)
-    out: Dict[str, Any] = {}
-    for key, value in local.items():
-        if isinstance(value, nn.Parameter) and id(value) in full_of:
-            out[key] = full_of[id(value)]
-        else:
-            out[key] = _copy(value, cpu_offload) if isinstance(value, torch.Tensor) else value
-    return out
+    return {key: full_of[id(value)] if isinstance(value, nn.Parameter) and id(value) in full_of
+            else _copy(value, cpu_offload) if isinstance(value, torch.Tensor) else value
+            for key, value in local.items()}
 
 
 def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
@@ -297,19 +274,10 @@ def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]], strict: bool = True) -> None:
-    """Load a full (plain-model) state dict into a sharded model; each rank keeps only its slices (collective).
-
-    Every rank passes the dict, or only global rank 0 passes it and the others ``None`` (each tensor is then
-    broadcast from rank 0 in turn, so no rank holds more than one extra tensor).  ``strict``: every key of the
-    model present and no other (like ``nn.Module.load_state_dict``); with ``strict=False`` missing keys keep
-    their values, unexpected ones are ignored, a tied parameter loads from whichever of its names is present.
-    Shapes must always match; values are cast to the parameter's dtype.
-
-    Example::
-
-        sd = torch.load("model.pt", weights_only=True) if rank == 0 else None
-        load_full_state_dict(model, sd)
-    """
+    """Collective: load a full (plain-model) state dict; each rank keeps its slices.  Every rank passes the dict,
+    or rank 0 only and the others ``None`` (each tensor is then broadcast in turn: one extra tensor at most).
+    ``strict`` as ``nn.Module.load_state_dict``; with ``strict=False`` a tied parameter loads from any of its
+    names.  Shapes must match; values are cast to the parameter's dtype."""
     index = ModelIndex(model, "load_full_state_dict")
     group = index.group
     if group.world_size == 1 and state_dict is None:
@@ -383,23 +351,6 @@ def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
 def _local_keys(module: nn.Module) -> List[str]:
     with local_slices(module):
         return list(module.state_dict(keep_vars=True))
-
-
-def state_dict(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-    """The wrapper's ``state_dict()``: the module's, i.e. the full dict (keys without a wrapper prefix)."""
-    return wrapper.module.state_dict(*args, **kwargs)
-
-
-def local_state_dict_of(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-    """The wrapper's ``local_state_dict()``: this rank's 1-D slices under the original names (no collective);
-    loads back at the same world size."""
-    with local_slices(wrapper.module):
-        return wrapper.module.state_dict(*args, **kwargs)
-
-
-def load_local_state_dict(wrapper: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> Any:
-    """Load slices from :func:`local_state_dict_of` (same world size and rank)."""
-    return wrapper.module.load_state_dict(state_dict, strict=strict)
 
 
 def load_state_dict(wrapper: nn.Module, state_dict: Optional[Dict[str, Any]], strict: bool = True,
