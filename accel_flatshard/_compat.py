@@ -20,6 +20,17 @@ def inside_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def clamp_all_(tensors: List[torch.Tensor], low: float, high: float) -> None:
+    """Clamp every tensor in place with torch's multi-tensor kernels (``clip_grad_value_`` uses the same)."""
+    torch._foreach_clamp_min_(tensors, low)
+    torch._foreach_clamp_max_(tensors, high)
+
+
+def can_set_data(param: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``param.data = value`` is allowed (torch refuses it across tensor types, e.g. meta to CPU)."""
+    return torch._has_compatible_shallow_copy_type(param, value)
+
+
 def tensors_in(tree: Any) -> List[torch.Tensor]:
     return [t for t in _tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 

@@ -32,6 +32,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from ._compat import can_set_data
+
 DEFAULT_ALIGNMENT = 16  # elements; 64 bytes in fp32, 32 in bf16
 
 
@@ -251,7 +253,7 @@ def gather_full(flat: FlatParameter, group: Any, shard: Optional[torch.Tensor] =
 def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:
     """``p.data = value``, also from a device whose tensors cannot take ``value``'s in place (e.g. meta):
     then the contents are swapped, which keeps the Parameter object (optimizers and ties hold it)."""
-    if torch._has_compatible_shallow_copy_type(p, value):
+    if can_set_data(p, value):
         p.data = value
     else:
         torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))

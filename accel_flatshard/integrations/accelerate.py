@@ -29,6 +29,7 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from .. import options, patches
+from .._compat import clamp_all_
 from ..compilation import compile_model
 from ..fully_sharded import FullyShardedDataParallel, check_not_wrapped
 from ..grad_norm import clip_grad_norm_
@@ -212,8 +213,7 @@ class Accelerator(_BaseAccelerator):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
         if grads:  # a rank may hold no gradient elements at all; torch's version raises on an empty list
-            torch._foreach_clamp_min_(grads, -clip_value)
-            torch._foreach_clamp_max_(grads, clip_value)
+            clamp_all_(grads, -clip_value, clip_value)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
