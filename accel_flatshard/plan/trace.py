@@ -15,10 +15,9 @@ from .._compat import TorchDispatchMode, outside_dispatch_modes, tensors_in
 
 
 class _Trace(TorchDispatchMode):
-    """The device's bytes in use (``live``; ``peak``, and ``on_peak()`` when it rises past it) after every op: the
-    storages ops make, by ``kind`` (the phase's, or :meth:`relabel`), less ``known``'s and on CUDA the host's, plus
-    the engine adapter's notes (plan/run.py): gathered buffers (resized, not made by ops) and on CUDA the blocks a
-    ``record_stream`` keeps until the host waited for an event recorded after their free."""
+    """The device's bytes in use after every op (``live``; ``peak``, calling ``on_peak()`` as it rises): storages ops
+    make, by ``kind`` (or :meth:`relabel`), less ``known``'s and on CUDA the host's, plus the engine adapter's notes:
+    gathered buffers (resized, not made by ops) and on CUDA blocks a ``record_stream`` keeps until a later event."""
 
     def __init__(self, cuda: bool) -> None:
         super().__init__()
@@ -28,7 +27,7 @@ class _Trace(TorchDispatchMode):
         self.host, self.recorded = set(), set()  # storage keys: in host memory (CUDA offload), kept past their free
         self.lingering: List[Tuple[int, int, str]] = []  # (the first event that frees it, bytes, kind)
         self.events, self.live, self.peak = 0, 0, 0
-        self.on_peak: Optional[Callable[[], None]] = None
+        self.on_peak: Callable[[], None] = lambda: None
         self.failed: Any = None  # the first op that raised (named in the planner's error)
         self.real = weakref.WeakValueDictionary()  # id -> a real tensor (a batch's mask): ops on these alone run real
 
@@ -50,8 +49,7 @@ class _Trace(TorchDispatchMode):
             raise
         if self.live > self.peak:
             self.peak = self.live
-            if self.on_peak is not None:
-                self.on_peak()
+            self.on_peak()
         return out
 
     def add_real(self, tensors: Sequence[torch.Tensor]) -> None:
