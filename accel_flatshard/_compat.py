@@ -31,6 +31,11 @@ def can_set_data(param: torch.Tensor, value: torch.Tensor) -> bool:
     return torch._has_compatible_shallow_copy_type(param, value)
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """An id of ``tensor``'s storage, shared by every view of it, as long as the storage lives (the planner)."""
+    return tensor.untyped_storage()._cdata
+
+
 def tensors_in(tree: Any) -> List[torch.Tensor]:
     return [t for t in _tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 

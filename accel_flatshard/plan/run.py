@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import options as environment
-from .._compat import FakeTensorMode, fake_world, map_tensors, tensors_in
+from .._compat import FakeTensorMode, fake_world, map_tensors, storage_key, tensors_in
 from ..checkpoint.commit import snapshot_bytes
 from ..checkpoint.sharded import model_entries, optimizer_entries
 from ..engine import ADAPTER, CudaStreams, HostAdapter
@@ -76,7 +76,7 @@ class _Cuda(_Gloo, CudaStreams):
     stream = HostAdapter.on  # (a null context)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        self.trace.recorded.add(tensor.untyped_storage()._cdata)
+        self.trace.recorded.add(storage_key(tensor))
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.trace.place_on_host(torch.empty(numel, dtype=dtype))
@@ -113,7 +113,7 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
                                                device_id="cpu", **opts.wrapper_kwargs())
             if cfg.checkpointing:
                 checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
-            trace.known.update(f.unsharded.untyped_storage()._cdata for f in wrapped.flat_params)
+            trace.known.update(storage_key(f.unsharded) for f in wrapped.flat_params)
             trace.hold([f.local_shard for f in wrapped.flat_params] + list(wrapped.buffers()))
             foreach = {"foreach": cuda} if "foreach" in inspect.signature(planner.optimizer).parameters else {}
             optimizer = planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
@@ -181,4 +181,4 @@ def _snapshot(wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimize
         return sum(snapshot_bytes(entries) for _, entries, _ in (model_entries(wrapped),
                                                                  optimizer_entries(wrapped, optimizer)))
     full = tensors_in((full_state_dict(wrapped), full_optim_state_dict(wrapped, optimizer)))
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in full}.values())
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in full}.values())

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .._compat import TorchDispatchMode, outside_dispatch_modes, tensors_in
+from .._compat import TorchDispatchMode, outside_dispatch_modes, storage_key, tensors_in
 
 
 class _Trace(TorchDispatchMode):
@@ -43,7 +43,8 @@ class _Trace(TorchDispatchMode):
             else:
                 out = func(*args, **kwargs)
             # CUDA: an op of host tensors alone runs on the host (the offloaded optimizer step)
-            self.hold(tensors_in(out), on_host=self.cuda and bool(inputs) and all(_key(t) in self.host for t in inputs))
+            on_host = self.cuda and bool(inputs) and all(storage_key(t) in self.host for t in inputs)
+            self.hold(tensors_in(out), on_host=on_host)
         except Exception:
             self.failed = self.failed or func
             raise
@@ -62,7 +63,7 @@ class _Trace(TorchDispatchMode):
         """Count the storages of ``tensors`` until they die (an op's outputs, or tensors made outside)."""
         for t in tensors:
             storage = t.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
+            key, nbytes = storage_key(t), storage.nbytes()
             if nbytes and key not in self.known and key not in self.host and key not in self.storages:
                 self.host.add(key) if on_host else self._add(nbytes, self.kind, key)
                 weakref.finalize(storage, self._died, key)
@@ -91,14 +92,14 @@ class _Trace(TorchDispatchMode):
             self._add(-entry[1], entry[2])
 
     def relabel(self, tensor: Optional[torch.Tensor], kind: str) -> None:
-        entry = self.storages.get(_key(tensor)) if tensor is not None else None
+        entry = self.storages.get(storage_key(tensor)) if tensor is not None else None
         if entry is not None:
             self.kinds[entry[1]] -= entry[0]
             self.kinds[kind] += entry[0]
             entry[1] = kind
 
     def place_on_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _key(tensor)
+        key = storage_key(tensor)
         if key not in self.storages:  # (made outside the trace)
             weakref.finalize(tensor.untyped_storage(), self._died, key)
         self._add(-self.storages.get(key, (0,))[0], self.storages.pop(key, (0, self.kind))[1])
@@ -108,17 +109,13 @@ class _Trace(TorchDispatchMode):
     # the device adapter's notes: a gathered buffer (of a flat parameter), a full gradient cast for its reduction
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if kind == "unsharded":
-            self._add(tensor.untyped_storage().nbytes(), "gathered units", _key(tensor))
+            self._add(tensor.untyped_storage().nbytes(), "gathered units", storage_key(tensor))
         else:
             self.relabel(tensor, "full gradients")
 
     def note_free(self, flat: Any) -> None:
-        key = _key(flat.unsharded)
+        key = storage_key(flat.unsharded)
         self._free(key, *self.storages.pop(key, (0, "gathered units")))
-
-
-def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 def _needs_grouped_mm_fallback(func: Any, args: Sequence[Any]) -> bool:
