@@ -196,6 +196,7 @@ def readme_run(tmp_path_factory):
     return planned, read_json(out)
 
 
+@pytest.mark.ci  # the CLI with --device_memory (26 fake runs) + a launch: ~2 min
 def test_readme_example_under_accelerate_launch_matches_the_planner(readme_run):
     planned, measured = readme_run
     worst = max(measured["peak_bytes"])
@@ -203,6 +204,7 @@ def test_readme_example_under_accelerate_launch_matches_the_planner(readme_run):
     assert planned["fits"] and planned["recommended"][0].startswith("fsdp_sharding_strategy")
 
 
+@pytest.mark.ci  # the CLI with --device_memory (26 fake runs) + a launch: ~2 min
 def test_prepare_warns_once_before_the_first_step_when_the_prediction_exceeds_free_memory(readme_run):
     planned, measured = readme_run
     first, later = measured["warnings_first_forward"], measured["warnings_later"]
