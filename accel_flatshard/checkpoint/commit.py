@@ -48,12 +48,6 @@ _NUMBERED = re.compile(r"[^.\d]*?(\d+)")  # checkpoint_12 (accelerate), checkpoi
 
 
 # ---------------------------------------------------------------------- is a directory complete?
-def _part_present(directory: str, part: str) -> bool:
-    # a sharded (DCP) directory ("name/") is complete once renamed in with its flatshard.json
-    return os.path.isfile(os.path.join(directory, part, "flatshard.json") if part.endswith("/") else
-                          os.path.join(directory, part))
-
-
 def missing_parts(directory: str) -> Optional[List[str]]:
     """None when ``directory`` is a complete checkpoint, else what is missing (see the module docstring)."""
     marker = os.path.join(directory, COMPLETE_FILE)
@@ -65,7 +59,9 @@ def missing_parts(directory: str) -> Optional[List[str]]:
             parts = json.load(f)["parts"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [f"a readable {os.path.basename(manifest)} ({type(exc).__name__}: {exc})"]
-    missing = [p for p in parts if not _part_present(directory, p)]
+    # a sharded (DCP) part "name/" is present once renamed in with its flatshard.json
+    missing = [p for p in parts
+               if not os.path.isfile(os.path.join(directory, p + ("flatshard.json" if p.endswith("/") else "")))]
     if not os.path.isfile(marker):
         missing.append(f"{COMPLETE_FILE} (the commit marker: the save did not finish)")
     return missing or None
@@ -229,12 +225,8 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
         save.thread.start()
     else:
         job()
-        _raise(save)
-
-
-def _raise(save: SimpleNamespace) -> None:
-    if save.error is not None:
-        raise CheckpointError(save.error)
+        if save.error is not None:
+            raise CheckpointError(save.error)
 
 
 def wait_for_saves() -> None:
@@ -243,7 +235,8 @@ def wait_for_saves() -> None:
     if save is None or save.thread is None:
         return
     save.thread.join()
-    _raise(save)
+    if save.error is not None:
+        raise CheckpointError(save.error)
 
 
 def _wait_at_exit() -> None:

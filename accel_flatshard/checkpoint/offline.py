@@ -67,7 +67,7 @@ def read_full_tensors(directory: str, names: Optional[Sequence[str]] = None, max
                       verify_checksums: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` from a sharded checkpoint, in checkpoint order (or that of ``names``), read
     in batches of about ``max_batch_bytes``."""
-    directory, meta, md = open_checkpoint(directory, read_meta(resolve_checkpoint_dir(directory))["kind"])
+    directory, meta, md = open_checkpoint(directory)
     batch: List[str] = []
     size = 0
     for name in list(meta["tensors"]) if names is None else list(names):
@@ -91,11 +91,11 @@ def consolidate(checkpoint_dir: str, out_dir: str, max_shard_size: Union[int, st
         config.save_pretrained("hf_out")
         model = AutoModelForCausalLM.from_pretrained("hf_out")
     """
-    directory, meta, _ = open_checkpoint(checkpoint_dir, "model")
+    directory, meta, md = open_checkpoint(checkpoint_dir, "model")
     shapes = {k: torch.empty(d["shape"], dtype=str_to_dtype(d["dtype"]), device="meta")
               for k, d in meta["tensors"].items()}
-    return _write_hf_safetensors(out_dir, shapes, lambda names: dict(read_full_tensors(
-        directory, names, max_batch_bytes=math.inf, verify_checksums=verify_checksums)), max_shard_size)
+    return _write_hf_safetensors(out_dir, shapes, lambda names: _read(directory, meta, md, names, verify_checksums),
+                                 max_shard_size)
 
 
 def _write_hf_safetensors(out_dir: str, shapes: Dict[str, torch.Tensor],

@@ -420,8 +420,8 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
         raise CheckpointError(f"saving {directory} failed (the previous checkpoint there is untouched): {status}")
 
 
-def open_checkpoint(directory: str, kind: str) -> Tuple[str, Dict[str, Any], Metadata]:
-    """Find the complete checkpoint, read ``flatshard.json`` and the checked, safely unpickled ``.metadata``."""
+def open_checkpoint(directory: str, kind: Optional[str] = None) -> Tuple[str, Dict[str, Any], Metadata]:
+    """The complete checkpoint's directory, its ``flatshard.json`` (of ``kind``, if given) and safe ``.metadata``."""
     directory = resolve_checkpoint_dir(directory)
     meta = read_meta(directory, kind)
     info = meta["dcp_metadata"]
