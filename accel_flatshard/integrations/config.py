@@ -29,14 +29,6 @@ from ..unit import BackwardPrefetch
 from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 
-def _local_world_size(environ: Mapping[str, str]) -> Optional[int]:
-    """LOCAL_WORLD_SIZE (set by the launcher) as a positive integer, or None."""
-    value = environ.get("LOCAL_WORLD_SIZE") or None
-    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
-        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} must be a positive integer")
-    return None if value is None else int(value)
-
-
 def fsdp_version(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> int:
     """The ``fsdp_version`` the plugin (else ``FSDP_VERSION``) asks for; anything but 1 or 2 raises."""
     environ = os.environ if environ is None else environ
@@ -115,7 +107,10 @@ def options_from_plugin(
         group_size = None  # checked against the layout
     elif hybrid:
         # torch FSDP's HYBRID_SHARD shards inside a node and replicates across nodes: same default here
-        opts.fsdp_group_size = group_size or _local_world_size(environ)
+        local = environ.get("LOCAL_WORLD_SIZE") or None  # set by the launcher
+        if group_size is None and local is not None and not (local.strip().isdigit() and int(local) >= 1):
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} must be a positive integer")
+        opts.fsdp_group_size = group_size or (None if local is None else int(local))
     elif strategy == ShardingStrategy.NO_SHARD:
         opts.fsdp_group_size = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
         opts.reshard_after_forward = False
