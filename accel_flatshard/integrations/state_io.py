@@ -81,11 +81,14 @@ def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 SNAPSHOTS = SimpleNamespace(parts=None, readies=None)
 
 
-def _check_use_dcp(use_dcp: bool, what: str) -> None:
-    if not use_dcp:
+def _wrapper_of(model: nn.Module, use_dcp: bool, what: str) -> Optional[FullyShardedDataParallel]:
+    """The accel_flatshard wrapper of ``model`` (None: accelerate's original applies); ``use_dcp=False`` raises."""
+    wrapped = find_wrapper(model)
+    if wrapped is not None and not use_dcp:
         raise ValueError(
             f"{what}(use_dcp=False) (per-rank torch.save files) is not supported for accel_flatshard models: "
             "sharded checkpoints are always DCP directories that load at any world size; drop use_dcp=False")
+    return wrapped
 
 
 def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str], what: str,
@@ -153,11 +156,10 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
 
     ``adapter_only`` (PEFT) is accepted and the whole model is written (a superset of the adapter that
     loads back the same way)."""
-    wrapped = find_wrapper(model)
+    wrapped = _wrapper_of(model, use_dcp, "save_fsdp_model")
     if wrapped is None:
         return _ORIGINALS["save_fsdp_model"](fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
-    _check_use_dcp(use_dcp, "save_fsdp_model")
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped),
           lambda: model_entries(wrapped))
@@ -166,11 +168,10 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
                     adapter_only: bool = False, use_dcp: bool = True) -> Any:
     """accelerate's ``load_fsdp_model`` for accel_flatshard models; SHARDED or FULL is read from disk."""
-    wrapped = find_wrapper(model)
+    wrapped = _wrapper_of(model, use_dcp, "load_fsdp_model")
     if wrapped is None:
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
-    _check_use_dcp(use_dcp, "load_fsdp_model")
     _load(fsdp_plugin, accelerator, input_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: load_sharded_model(wrapped, path), lambda state: load_full_state_dict(wrapped, state))
     return LoadResult([], [])
@@ -179,11 +180,10 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_
 def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, output_dir: str,
                         optimizer_index: int = 0, use_dcp: bool = True) -> None:
     """accelerate's ``save_fsdp_optimizer`` for optimizers of accel_flatshard models (collective)."""
-    wrapped = find_wrapper(model)
+    wrapped = _wrapper_of(model, use_dcp, "save_fsdp_optimizer")
     if wrapped is None:
         return _ORIGINALS["save_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, output_dir,
                                                  optimizer_index=optimizer_index, use_dcp=use_dcp)
-    _check_use_dcp(use_dcp, "save_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
           lambda path: save_sharded_optimizer(wrapped, optimizer, path),
@@ -193,12 +193,11 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, input_dir: str,
                         optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
     """accelerate's ``load_fsdp_optimizer`` for optimizers of accel_flatshard models; layout read from disk."""
-    wrapped = find_wrapper(model)
+    wrapped = _wrapper_of(model, use_dcp, "load_fsdp_optimizer")
     if wrapped is None:
         return _ORIGINALS["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, input_dir,
                                                  optimizer_index=optimizer_index, adapter_only=adapter_only,
                                                  use_dcp=use_dcp)
-    _check_use_dcp(use_dcp, "load_fsdp_optimizer")
     optimizer = plain_optimizer(optimizer)
     _load(fsdp_plugin, accelerator, input_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "optimizer state",
           lambda path: load_sharded_optimizer(wrapped, optimizer, path),
@@ -206,11 +205,6 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 
 
 # ---------------------------------------------------------------------- save_state / load_state
-def _checkpoint_number(folder: str) -> int:
-    # accelerate's sort key for checkpoint_<n> folders
-    return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
-
-
 def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., Any],
                               optimizer_fn: Callable[..., Any]) -> None:
     """``model_fn`` for every accel_flatshard model of ``acc._models`` (index ``i`` in prepare order), then
@@ -352,7 +346,8 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
         input_dir = commit.newest_complete_checkpoint(root)
         if input_dir is None:
             raise ValueError(f"no complete checkpoint_<n> folder in {root}")
-        acc.project_configuration.iteration = _checkpoint_number(input_dir) + 1
+        # the number of checkpoint_<n>, as accelerate's sort key reads it
+        acc.project_configuration.iteration = int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", input_dir)[0]) + 1
     else:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     logger.info(f"Loading states from {input_dir}")
