@@ -163,16 +163,9 @@ class ShardGroup:
         return output
 
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
-        """Sum a reduced shard over the replica group (hybrid sharding); no-op otherwise."""
-        if self.replica_group is None:
-            return DONE
+        """Sum a reduced shard over the replica group (hybrid sharding only)."""
         work = dist.all_reduce(tensor, group=self.replica_group, async_op=async_op)
         return work if async_op else DONE
-
-    def broadcast_from_rank0(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` equal to global rank 0's copy on every rank of the world group."""
-        if self.world_size > 1:
-            dist.broadcast(tensor, src=_global_rank0(self.world_group), group=self.world_group)
 
     def all_reduce_world(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:

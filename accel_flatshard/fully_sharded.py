@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import generation, options, patches
-from .comm import ShardGroup
+from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
 from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
@@ -96,7 +96,12 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.shard_group = ShardGroup(process_group, fsdp_group_size)
         device = _target_device(module, self.shard_group, device_id)
-        _check_device(device, self.shard_group, module)
+        if self.shard_group.uses_nccl and not self.shard_group.uses_gloo and device.type != "cuda":
+            raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call "
+                             "model.to('cuda') first or use gloo")
+        if self.shard_group.uses_gloo and not self.shard_group.uses_nccl and device.type == "cuda":
+            raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl "
+                             "backend for CUDA")
         self.shard_group.bind_device(device)
         self.mixed_precision = mixed_precision
         reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
@@ -118,14 +123,23 @@ class FullyShardedDataParallel(nn.Module):
             _materialize(unit_users.values(), device if param_init_fn else torch.device("cpu"), param_init_fn)
             for params, _, users in owned[id(unit_module)]:
                 _refresh_params(params, users)
-            _move_unit_buffers(unit_users.values(), device)
+            for user in unit_users.values():  # buffers go to the shards' device (parameters: the flat build)
+                for name, buf in list(user._buffers.items()):
+                    if buf is not None and buf.device != device and not buf.is_meta:
+                        user._buffers[name] = buf.to(device)
             flats = [self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
                      for params, fqns, users in owned[id(unit_module)]]
             unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
                         reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
             self._schedule.add_unit(unit)
-        self._sync_buffers(sync_module_states)
+        buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None
+        for owner in module.modules():
+            for name, buf in [(n, b) for n, b in owner._buffers.items() if b is not None]:
+                if sync_module_states:
+                    broadcast_tensor(self.shard_group.world_group, buf)
+                if buffer_dtype is not None and buf.is_floating_point():
+                    owner._buffers[name] = buf.to(buffer_dtype)
         # state_dict() gathers (collective); ensure_idle is handed down (state_dict/ sits below the schedule)
         model_state.install(self, schedule.units, lambda what: schedule.ensure_idle(what))
         if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
@@ -143,21 +157,12 @@ class FullyShardedDataParallel(nn.Module):
             engine.offload.place_shard(flat)
         full = flat.full_flat_from_params()
         if sync_module_states:
-            group.broadcast_from_rank0(full)
+            broadcast_tensor(group.world_group, full)
         flat.set_local_shard_from_full(full)
         flat.point_params_at_shard()
         for p in params:
             p._flatshard_group = group  # lets clip_grad_norm_ find the shard group of a parameter
         return flat
-
-    def _sync_buffers(self, sync_module_states: bool) -> None:
-        buffer_dtype = self.mixed_precision.buffer_dtype if self.mixed_precision else None
-        for module in self.module.modules():
-            for name, buf in [(n, b) for n, b in module._buffers.items() if b is not None]:
-                if sync_module_states:
-                    self.shard_group.broadcast_from_rank0(buf)
-                if buffer_dtype is not None and buf.is_floating_point():
-                    module._buffers[name] = buf.to(buffer_dtype)
 
     # ------------------------------------------------------------------ nn.Module surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -338,17 +343,6 @@ def _has_own_meta_tensors(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in [*module._parameters.values(), *module._buffers.values()])
 
 
-def materialize_own_tensors(module: nn.Module, device: torch.device) -> None:
-    """Give a module's own meta parameters and buffers (uninitialised) storage on ``device``.  ``to_empty()``
-    would create new Parameter objects, detaching an optimizer built before wrapping; swapping keeps identity."""
-    for p in module._parameters.values():
-        if p is not None and p.is_meta:
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
-    for name, b in list(module._buffers.items()):
-        if b is not None and b.is_meta:
-            module._buffers[name] = torch.empty_like(b, device=device)
-
-
 def _materialize(modules: Iterable[nn.Module], device: torch.device, param_init_fn: Optional[ParamInitFn]) -> None:
     """Materialise one unit's modules that hold meta tensors of their own: ``param_init_fn(module)`` (every rank;
     only that module's own tensors, ``recurse=False``: other units' may be sharded already), else storage on
@@ -357,20 +351,20 @@ def _materialize(modules: Iterable[nn.Module], device: torch.device, param_init_
         if param_init_fn is not None:
             param_init_fn(module)
         else:
-            materialize_own_tensors(module, device)
+            # uninitialised storage; to_empty() would create new Parameter objects, detaching an optimizer built
+            # before wrapping: swapping keeps their identity
+            for p in module._parameters.values():
+                if p is not None and p.is_meta:
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device),
+                                                             requires_grad=p.requires_grad))
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=device)
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
         if _has_own_meta_tensors(module):
             raise RuntimeError(f"param_init_fn left meta tensors in {type(module).__name__}; it must materialise the "
                                "module's own parameters and buffers, e.g. module.to_empty(device=..., recurse=False)")
-
-
-def _move_unit_buffers(modules, device: torch.device) -> None:
-    """Buffers of one unit's modules go to the shards' device (parameters are copied by the flat build)."""
-    for module in modules:
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device != device and not buf.is_meta:
-                module._buffers[name] = buf.to(device)
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -384,15 +378,6 @@ def _module_device(module: nn.Module) -> torch.device:
         raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. "
                          "Move the model with .to(device) first")
     return next(iter(devices), torch.device("cpu"))
-
-
-def _check_device(device: torch.device, group: ShardGroup, module: nn.Module) -> None:
-    if group.uses_nccl and not group.uses_gloo and device.type != "cuda":
-        raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call "
-                         "model.to('cuda') first or use gloo")
-    if group.uses_gloo and not group.uses_nccl and device.type == "cuda":
-        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl "
-                         "backend for CUDA")
 
 
 def check_not_wrapped(module: nn.Module) -> None:
