@@ -261,11 +261,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
             del full
     if not receives:
         return {}
-    with local_slices(index.module):
-        local = index.module.state_dict(keep_vars=True)
-    return {key: full_of[id(value)] if isinstance(value, nn.Parameter) and id(value) in full_of
-            else _copy(value, cpu_offload) if isinstance(value, torch.Tensor) else value
-            for key, value in local.items()}
+    return {key: full_of[id(index.params[index.param_of_key[key]].param)] if key in index.param_of_key
+            else _copy(index.buffers[key], cpu_offload) if key in index.buffers else index.extra[key]
+            for key in index.keys}
 
 
 def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
