@@ -199,11 +199,9 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
     ordered = {info.fqn: {key: state[info.fqn][key] if kind == SHARDED else state_value(kind, dtype, value)
                           for key, (kind, dtype, value) in schema[info.fqn].items()}
                for infos in groups for info in infos if info.fqn in schema}
-    param_groups = []
-    for g, infos in zip(optimizer.param_groups, groups):
-        hyper = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                 for k, v in group_hyperparams(g).items()}
-        param_groups.append({**hyper, "params": [i.fqn for i in infos]})
+    param_groups = [{**{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in group_hyperparams(g).items()}, "params": [i.fqn for i in infos]}
+                    for g, infos in zip(optimizer.param_groups, groups)]
     return {"state": ordered, "param_groups": param_groups}
 
 
