@@ -172,7 +172,7 @@ def snapshot_bytes(entries: Dict[str, Entry]) -> int:
 _WRITER_GROUPS: Dict[Any, Any] = {}
 
 
-def writer_group(world: Optional[dist.ProcessGroup], shard_size: Optional[int] = None) -> Any:
+def writer_group(world: Optional[dist.ProcessGroup], shard_size: int) -> Any:
     """A group for ``save_entries`` whose collectives run on a gloo group of their own over the ranks of
     ``world`` (made on first use: collective, on the main thread), so a background writer never interleaves
     with the training's collectives.  None: one process."""
@@ -183,7 +183,7 @@ def writer_group(world: Optional[dist.ProcessGroup], shard_size: Optional[int] =
         _WRITER_GROUPS[world] = comm.new_gloo_group(world)
     pg = _WRITER_GROUPS[world]
     return SimpleNamespace(world_group=pg, world_rank=dist.get_rank(pg), world_size=dist.get_world_size(pg),
-                           shard_size=shard_size or dist.get_world_size(pg))
+                           shard_size=shard_size)
 
 
 SAVES = SimpleNamespace(in_flight=None)  # the background save not yet joined (benchmarks poll it)

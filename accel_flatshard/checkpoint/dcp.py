@@ -130,9 +130,8 @@ def _is_flat_run(sizes: Sequence[int], shape: Sequence[int]) -> bool:
 
 
 def check_tiling(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> Optional[str]:
-    """None when ``chunks`` (offsets, sizes) tile a tensor of ``shape`` exactly; otherwise what is wrong.
-    Exact for chunks that are contiguous runs (every chunk this package writes); for other rectangles it
-    checks bounds and total volume only."""
+    """None when ``chunks`` (offsets, sizes), contiguous runs of the flattened tensor (as every chunk this package
+    writes), tile a tensor of ``shape`` exactly; otherwise what is wrong."""
     shape = tuple(int(s) for s in shape)
     runs = []
     for offsets, sizes in chunks:
@@ -140,16 +139,15 @@ def check_tiling(shape: Sequence[int], chunks: Sequence[Tuple[Sequence[int], Seq
             return f"chunk at {tuple(offsets)} has rank {len(offsets)}, tensor has rank {len(shape)}"
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             return f"chunk at {tuple(offsets)} of size {tuple(sizes)} exceeds shape {shape}"
-        runs.append((flat_index(offsets, shape), math.prod(sizes), _is_flat_run(sizes, shape)))
-    total = sum(n for _, n, _ in runs)
+        runs.append((flat_index(offsets, shape), math.prod(sizes)))
+    total = sum(n for _, n in runs)
     if total != math.prod(shape):
         return f"chunks cover {total} elements, tensor has {math.prod(shape)}"
-    if all(c for _, _, c in runs):
-        cursor = 0
-        for start, n, _ in sorted(runs):
-            if start != cursor:
-                return f"chunks overlap or leave a gap at flattened index {min(start, cursor)}"
-            cursor += n
+    cursor = 0
+    for start, n in sorted(runs):
+        if start != cursor:
+            return f"chunks overlap or leave a gap at flattened index {min(start, cursor)}"
+        cursor += n
     return None
 
 
