@@ -297,15 +297,6 @@ def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, st
     return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
 
 
-def _host_has_device() -> bool:
-    """What accelerate's plugin looks for before it builds a GPU ``param_init_fn`` (any of its devices)."""
-    from accelerate.utils import imports
-
-    checks = ("is_npu_available", "is_mlu_available", "is_musa_available", "is_cuda_available",
-              "is_xpu_available", "is_hpu_available", "is_neuron_available")
-    return any(getattr(imports, name, lambda: False)() for name in checks)
-
-
 def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
     """``FullyShardedDataParallelPlugin.__post_init__`` that works on a host without an accelerator device.
 
@@ -314,10 +305,16 @@ def post_init_without_device(original: Callable[[Any], None]) -> Callable[[Any],
     ``sync_module_states`` and ``cpu_ram_efficient_loading`` off, then both fields and
     ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (transformers reads it) get the values accelerate would set."""
 
+    from accelerate.utils import imports
+
+    # the devices accelerate's plugin looks for before it builds a GPU ``param_init_fn``
+    devices = ("is_npu_available", "is_mlu_available", "is_musa_available", "is_cuda_available", "is_xpu_available",
+               "is_hpu_available", "is_neuron_available")
+
     @functools.wraps(original)
     def __post_init__(self: Any) -> None:
         version = str(getattr(self, "fsdp_version", None) or os.environ.get("FSDP_VERSION", "1")).strip()
-        if version == "2" or _host_has_device():
+        if version == "2" or any(getattr(imports, name, lambda: False)() for name in devices):
             return original(self)
         efficient, sync = self.cpu_ram_efficient_loading, self.sync_module_states
         efficient = options.env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING") if efficient is None else bool(efficient)
