@@ -11,6 +11,7 @@ no-op.  :func:`uninstall` undoes every change (tests).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -260,10 +261,8 @@ def _apply(patch: Patch, applied: List[str]) -> None:
         replacement = target(original) if patch.wraps_original else target
         if replacement is not original:
             _set(patch.owner, owner, patch.attribute, original, replacement, applied)
-    try:
+    with contextlib.suppress(AttributeError, TypeError):  # a class: its identity is enough
         setattr(replacement, _MARK, patch.name)
-    except (AttributeError, TypeError):  # a class: its identity is enough
-        pass
     for name in patch.also_bound_in:
         module = sys.modules.get(name)
         if module is None:
