@@ -132,6 +132,7 @@ def test_sharded_checkpoint_is_accelerates_layout(readme_run, ddp_run, tmp_path)
     assert _max_weight_diff(ours, ddp) <= WEIGHT_TOL
 
 
+@pytest.mark.ci  # a third launch (~30 s); offload is exact in process in tests/test_offload.py
 def test_trainer_with_offload_is_sharded_and_exact(readme_run, ddp_run, work, tmp_path):
     """The README yaml with fsdp_offload_params: true (issue 17): on a CPU host the shards already live in
     host memory, so the run must be sharded and bit for bit the run without offload (and DDP's losses)."""

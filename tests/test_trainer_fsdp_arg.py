@@ -68,10 +68,12 @@ def full_shard_run(work) -> dict:
     return _train(work / "full_shard", "full_shard auto_wrap", None, "--save_steps", SAVE_AT)
 
 
+@pytest.mark.ci  # two launches (~50 s): make test stays under 10 min
 def test_fsdp_argument_sets_up_the_state_before_the_trainer(full_shard_run):
     _assert_state_right_from_the_start(full_shard_run)
 
 
+@pytest.mark.ci  # two launches (~50 s): make test stays under 10 min
 def test_fsdp_argument_trains_sharded_like_ddp(full_shard_run, ddp_run):
     _assert_sharded(full_shard_run)
     assert full_shard_run["reshard_after_forward"] is True  # full_shard
