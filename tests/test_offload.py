@@ -93,6 +93,17 @@ def test_cpu_offload_accepts_torch_forms():
 
 
 # ---------------------------------------------------------------------- a unit applied twice in one forward
+def _trained_state(module, model, data, is_ddp: bool) -> dict:
+    """SGD over ``data``; the full state dict after (DDP: the module's own)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in data:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    state = module.state_dict() if is_ddp else model.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def _applied_twice_vs_ddp(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -104,13 +115,7 @@ def _applied_twice_vs_ddp(rank, world_size):
         module = Toy(tie_blocks=False)  # blocks[1] is applied twice in one forward
         model = DDP(module) if wrapper == "ddp" else FullyShardedDataParallel(
             module, auto_wrap_policy=transformer_auto_wrap_policy([Block]), cpu_offload=CPUOffload(True))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x in data:
-            model(x).backward()
-            opt.step()
-            opt.zero_grad()
-        state = module.state_dict() if wrapper == "ddp" else model.state_dict()
-        results.append({k: v.detach().clone() for k, v in state.items()})
+        results.append(_trained_state(module, model, data, wrapper == "ddp"))
     return results
 
 
@@ -151,13 +156,7 @@ def _applied_twice_under_reentrant_checkpointing(rank, world_size):
         model = DDP(module, static_graph=True) if wrapper == "ddp" else FullyShardedDataParallel(
             module, auto_wrap_policy=transformer_auto_wrap_policy([Block]),
             cpu_offload=CPUOffload(wrapper == "offload"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x in data:
-            model(x).backward()
-            opt.step()
-            opt.zero_grad()
-        state = module.state_dict() if wrapper == "ddp" else model.state_dict()
-        results[wrapper] = {k: v.detach().clone() for k, v in state.items()}
+        results[wrapper] = _trained_state(module, model, data, wrapper == "ddp")
     return results
 
 
