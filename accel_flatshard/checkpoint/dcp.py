@@ -327,15 +327,16 @@ def storage_records(md: Metadata, source: str = "checkpoint") -> Dict[MetadataIn
 class RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
     ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), with each item's CRC32 computed
-    while writing, then fsyncs.  ``written`` lists ``(file, offset, length, crc32)`` per item afterwards."""
+    while writing, then fsyncs.  ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}``
+    (what ``flatshard.json`` lists; nothing for a rank that wrote no item)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        self.written: List[Tuple[str, int, int, int]] = []
+        self.files: Dict[str, Dict[str, Any]] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:  # type: ignore[override]
         name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
-        results, self.written = [], []
+        results, items = [], []
         with open(os.path.join(str(self.path), name), "wb") as f:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -351,10 +352,11 @@ class RecordingWriter(FileSystemWriter):
                 f.write(data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data),
                                            storage_data=_StorageInfo(name, offset, len(data))))
-                self.written.append((name, offset, len(data), zlib.crc32(data)))
+                items.append([offset, len(data), zlib.crc32(data)])
                 del data, buf
             f.flush()
             os.fsync(f.fileno())
+            self.files = {name: {"size": f.tell(), "items": items}} if items else {}
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -424,12 +426,13 @@ class _PreloadedReader(FileSystemReader):
 
 
 def dcp_save(state_dict: Dict[str, Entry], directory: str, planner: SavePlanner,
-             group: Optional[dist.ProcessGroup]) -> RecordingWriter:
-    """Run DCP's save with ``planner`` and our writer (``group=None``: one process); returns the writer."""
+             group: Optional[dist.ProcessGroup]) -> Dict[str, Dict[str, Any]]:
+    """Run DCP's save with ``planner`` and our writer (``group=None``: one process); returns the writer's
+    ``files``."""
     writer = RecordingWriter(directory)
     with _plain_dcp("save", directory):
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
-    return writer
+    return writer.files
 
 
 def dcp_load(state_dict: Dict[str, Entry], directory: str, metadata: Metadata, planner: LoadPlanner,

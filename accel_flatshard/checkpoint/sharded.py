@@ -15,14 +15,7 @@ overlap its own slices.  Directory layout::
 A save builds ``<dir>.tmp-<random>`` and renames it into place (:func:`save_entries`: a crash leaves the previous
 checkpoint complete); a load checks sizes and checksums, unpickles ``.metadata`` through an allow-list and lets
 DCP read (:func:`open_checkpoint`, :func:`load_entries`).  Errors name the file or key; every rank raises when
-any rank fails (none is left waiting).
-
-Example::
-
-    save_sharded_model(model, "ckpt/model")                    # every rank
-    save_sharded_optimizer(model, optimizer, "ckpt/optim")
-    load_sharded_model(model, "ckpt/model")                    # every rank, any world size
-    load_sharded_optimizer(model, optimizer, "ckpt/optim")     # restores lr etc.
+any rank fails (none is left waiting).  Usage: README "Checkpoints".
 """
 from __future__ import annotations
 
@@ -383,37 +376,27 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
     rank, size = (0, 1) if group is None else (group.world_rank, group.world_size)
     tmp = comm.broadcast_object(world, new_tmp_dir(directory) if rank == 0 else None)
     try:
-        writer = dcp_save(entries, tmp, FlatSavePlanner(), world)
+        files = dcp_save(entries, tmp, FlatSavePlanner(), world)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    local_error, files = None, {}
-    try:
-        for name, offset, length, crc in writer.written:
-            entry = files.setdefault(name, {"size": os.path.getsize(os.path.join(tmp, name)), "items": []})
-            entry["items"].append([offset, length, crc])
-    except OSError as e:
-        local_error = f"rank {rank}: cannot stat what it wrote in {tmp}: {e}"
-    gathered = comm.all_gather_object(world, (local_error, files))
+    gathered = comm.all_gather_object(world, files)
     status = None
     if rank == 0:
-        status = "; ".join(e for e, _ in gathered if e) or None
-        if status is None:
-            try:
-                md_path = os.path.join(tmp, METADATA_FILE)
-                write_json_atomic(os.path.join(tmp, META_FILE), {
-                    "format": FORMAT, "format_version": FORMAT_VERSION, **meta, "world_size": size,
-                    "shard_size": group.shard_size if group is not None else 1,
-                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch_version": torch.__version__,
-                    "files": {name: f for _, rank_files in gathered for name, f in rank_files.items()},
-                    "dcp_metadata": {"file": METADATA_FILE, "size": os.path.getsize(md_path),
-                                     "crc32": _crc32_of_file(md_path)},
-                })
-                commit_dir(tmp, directory)
-            except Exception as e:  # noqa: BLE001 - reported on every rank
-                status = f"rank 0 could not finish {directory}: {type(e).__name__}: {e}"
-        if status is not None:
+        try:
+            md_path = os.path.join(tmp, METADATA_FILE)
+            write_json_atomic(os.path.join(tmp, META_FILE), {
+                "format": FORMAT, "format_version": FORMAT_VERSION, **meta, "world_size": size,
+                "shard_size": group.shard_size if group is not None else 1,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch_version": torch.__version__,
+                "files": {name: f for rank_files in gathered for name, f in rank_files.items()},
+                "dcp_metadata": {"file": METADATA_FILE, "size": os.path.getsize(md_path),
+                                 "crc32": _crc32_of_file(md_path)},
+            })
+            commit_dir(tmp, directory)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            status = f"rank 0 could not finish {directory}: {type(e).__name__}: {e}"
             shutil.rmtree(tmp, ignore_errors=True)
     status = comm.broadcast_object(world, status)
     if status is not None:
