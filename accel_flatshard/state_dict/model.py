@@ -200,35 +200,27 @@ class ModelIndex:
 
 
 # ---------------------------------------------------------------------- collective helpers
-def dict_mode(group, has_dict: bool, what: str) -> str:
-    """Collective: ``"local"`` when every rank passed a dict, ``"broadcast"`` when only global rank 0 did
-    (its tensors are then broadcast one at a time); otherwise an error on every rank."""
-    flags = comm.all_gather_object(group.world_group if group.world_size > 1 else None, has_dict)
-    if all(flags):
-        return "local"
-    if flags[0] and not any(flags[1:]):
-        return "broadcast"
-    raise CheckpointError(f"{what}: pass the dict on every rank, or on rank 0 only (None elsewhere); "
-                          f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
-
-
-def plan_on_every_rank(group, mode: str, make_plan: Callable[[], Any]) -> Any:
-    """``make_plan()`` (which raises CheckpointError/ValueError for a bad dict) run where the dict is: on
-    rank 0 then broadcast (``mode == "broadcast"``), or on every rank with the error agreed on."""
+def plan_where_given(group, given: Any, what: str, make_plan: Callable[[], Any]) -> Tuple[str, Any]:
+    """Collective: ``(mode, plan)``.  ``"local"`` when every rank passed a dict (``given``): ``make_plan()`` (which
+    raises CheckpointError/ValueError for a bad dict) runs on every rank, the error agreed on; ``"broadcast"`` when
+    only global rank 0 did: it runs there and is broadcast (so are the tensors later).  Otherwise an error on every
+    rank."""
+    world = group.world_group if group.world_size > 1 else None
+    flags = comm.all_gather_object(world, given is not None)
+    if not all(flags) and not (flags[0] and not any(flags[1:])):
+        raise CheckpointError(f"{what}: pass the dict on every rank, or on rank 0 only (None elsewhere); "
+                              f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
+    mode = "local" if all(flags) else "broadcast"
     error = plan = None
-    if mode == "local" or group.world_rank == 0:
+    if given is not None:
         try:
             plan = make_plan()
         except Exception as e:  # noqa: BLE001 - reported on every rank
             error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    world = group.world_group if group.world_size > 1 else None
     if mode == "broadcast":
         plan, error = comm.broadcast_object(world, (plan, error))
-        if error is not None:
-            raise CheckpointError(error)
-        return plan
-    agree(world, error)
-    return plan
+    agree(world if mode == "local" else None, error)  # (broadcast: every rank has rank 0's error already)
+    return mode, plan
 
 
 def full_value(group, mode: str, value: Optional[torch.Tensor], numel: int, dtype: torch.dtype,
@@ -280,8 +272,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]],
     group = index.group
     if group.world_size == 1 and state_dict is None:
         raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
-    mode = dict_mode(group, state_dict is not None, "load_full_state_dict")
-    sources: Dict[str, str] = plan_on_every_rank(group, mode, lambda: _validate(index, state_dict, strict))
+    mode, sources = plan_where_given(group, state_dict, "load_full_state_dict",
+                                     lambda: _validate(index, state_dict, strict))
 
     def value_of(key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return full_value(group, mode, state_dict[key] if state_dict is not None else None, numel, dtype, device)

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
-from .model import ModelIndex, ParamInfo, dict_mode, full_value, gather_full, plan_on_every_rank
+from .model import ModelIndex, ParamInfo, full_value, gather_full, plan_where_given
 
 __all__ = ["full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch",
            "optim_state_dict_from_torch"]
@@ -217,8 +217,8 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     index = ModelIndex(model, "load_full_optim_state_dict")
     group = index.group
     names = [[i.fqn for i in infos] for infos in optimizer_groups(index, optimizer)]
-    mode = dict_mode(group, optim_state_dict is not None, "load_full_optim_state_dict")
-    schema, hyper = plan_on_every_rank(group, mode, lambda: _plan(index, names, optim_state_dict))
+    mode, (schema, hyper) = plan_where_given(group, optim_state_dict, "load_full_optim_state_dict",
+                                             lambda: _plan(index, names, optim_state_dict))
     state: Dict[str, Dict[str, Any]] = {}
     for fqn, entry in schema.items():
         info, out = index.params[fqn], state.setdefault(fqn, {})
