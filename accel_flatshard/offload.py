@@ -6,16 +6,10 @@ optimizer steps on the host and keeps its state there), ``sharded_grad`` (one bu
 across steps) and, when gradients accumulate over several backwards, staging buffers the host adds.  The device
 holds only what is in flight (a unit's copied shard until gathered, gathered units, full gradients, a reduced
 shard until its copy to the host is issued, activations).  The engine moves them on its side streams through the
-device adapter (``to_device`` / ``to_host`` / ``host_empty``):
-
-1. host shard -> device (all-gather stream), cast to the compute dtype, all-gather; 2. compute;
-3. reduce-scatter, post-divide, cast to the shard dtype, device -> host into a :meth:`HostOffload.grad_target`
-   on the same stream (the replica stream under hybrid sharding);
-4. end of backward: the host waits for the copies' events and adds or adopts the host buffers; before an
-   optimizer step or ``ensure_idle`` it waits for the copies to the device (they read the host shards).
-
-On a CPU device the host *is* the device: nothing is pinned.  The two optimizer step pre-hooks below (wait for
-those copies; a fused host Adam) are ``patches.py`` entries, installed with the first offloaded model.
+device adapter (``to_device`` / ``to_host`` / ``host_empty``; which stream, and who waits for a copy:
+docs/ARCHITECTURE.md section 5); reduced shards land in :meth:`HostOffload.grad_target`.  On a CPU device the host
+*is* the device: nothing is pinned.  The two optimizer step pre-hooks below (wait for the copies to the device,
+which read the host shards; a fused host Adam) are ``patches.py`` entries, installed with the first offloaded model.
 """
 from __future__ import annotations
 
