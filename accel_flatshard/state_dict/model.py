@@ -15,10 +15,7 @@ torch FSDP's default ``FULL_STATE_DICT`` with ``rank0_only=True, offload_to_cpu=
 * this rank's slices go by explicit names: ``wrapper.local_state_dict()`` / ``load_local_state_dict()`` (same
   world size and rank) and, inside, the context :func:`local_slices`.
 
-:func:`install` (at wrap time) stores one :class:`ShardedModuleRecord` on both the wrapper and the user's module
-(``__dict__``: a dropped model leaves nothing behind); :func:`find_wrapper` is the package's one wrapped-model
-detection.  :class:`ModelIndex` maps every state-dict key (tied parameters: ``ParamInfo.aliases``) to its flat
-parameter, slot and this rank's piece.
+:func:`install` stores the record in the modules' ``__dict__``: a dropped model leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -57,10 +54,9 @@ class ShardedModuleRecord:
         self.ensure_idle = ensure_idle  # handed down by the wrapper: refuse during forward/backward, drain
         self.local_depth = 0  # > 0 while a caller wants this rank's slices
         self.group = group = wrapper.shard_group
-        self.world_size, self.world_rank = group.world_size, group.world_rank
         # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
         # group and has no peers to wait for: no rendezvous there
-        real = self.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
+        real = group.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
         self.gloo_group = comm.new_gloo_group(group.world_group) if real else None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -111,13 +107,13 @@ def require_all_ranks(wrapper: nn.Module, what: str) -> None:
     record = record_of(wrapper)
     if record is None or record.gloo_group is None:
         return
-    timeout_s = options.get(TIMEOUT_ENV)
-    timeout = datetime.timedelta(seconds=timeout_s) if record.world_rank == 0 else _PEER_TIMEOUT
+    timeout_s, group = options.get(TIMEOUT_ENV), record.group
+    timeout = datetime.timedelta(seconds=timeout_s) if group.world_rank == 0 else _PEER_TIMEOUT
     problem = comm.rendezvous_or_fail(record.gloo_group, timeout)
     if problem is not None:
         raise RuntimeError(
             f"accel_flatshard: {what} of {type(wrapper.module).__name__} is collective (its parameters are sharded "
-            f"over {record.world_size} ranks), but rank {record.world_rank} waited {timeout_s:g} s and the other "
+            f"over {group.world_size} ranks), but rank {group.world_rank} waited {timeout_s:g} s and the other "
             f"ranks did not join ({problem}). Call it on every rank, not under `if accelerator.is_main_process:`: "
             "`accelerator.unwrap_model(model).save_pretrained(dir, is_main_process=accelerator.is_main_process)` "
             "on every rank, or `sd = accelerator.get_state_dict(model)` / `model.state_dict()` (or "
@@ -330,7 +326,7 @@ def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
     if wrapper is None or record.local_depth > 0 or wrapper._schedule.is_summoned:
         return
     full = full_state_dict(wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
-    if record.world_rank == 0:
+    if record.group.world_rank == 0:
         for key, value in full.items():
             state_dict[prefix + key] = value  # existing keys: order is kept
     else:

@@ -177,11 +177,8 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
     state: Dict[str, Dict[str, Any]] = {}
     for flat in index.flat_params if not rank0_only or group.replica_index == 0 else ():
         infos = [index.by_param_id[id(p)] for p in flat.params]
-        keys: Dict[str, str] = {}
-        for i in infos:
-            for key, (kind, dtype, _) in schema.get(i.fqn, {}).items():
-                if kind == SHARDED:
-                    keys.setdefault(key, dtype)
+        keys = {key: dtype for i in reversed(infos)  # (the first parameter's dtype of a key)
+                for key, (kind, dtype, _) in schema.get(i.fqn, {}).items() if kind == SHARDED}
         for key, dtype in keys.items():
             holders = [i for i in infos if schema.get(i.fqn, {}).get(key, (None,))[0] == SHARDED]
             shard = torch.zeros(flat.layout.shard_numel, dtype=str_to_dtype(dtype), device=flat.device)
