@@ -1,20 +1,12 @@
 """Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
 
-A directory written by ``save_state`` (``integrations/state_io.py``) or a Trainer checkpoint is *complete* only
-once its commit marker :data:`COMPLETE_FILE` exists: rank 0 first writes :data:`PENDING_FILE`, naming every part
-the save will write (model and optimizer directories or files, each rank's RNG file, ...), and writes the marker
-last, atomically, after every rank reported its parts written.  A save interrupted anywhere (a rank SIGKILLed
-mid-write) leaves no marker: :func:`check_complete` says what is missing (``load_state`` refuses the directory),
-:func:`newest_complete_checkpoint` skips it, and :func:`prune_checkpoints` never deletes the newest complete
-checkpoint, also while a newer one is still being written.  A directory with neither marker (plain accelerate,
-older accel_flatshard) is judged by its files, as before; an empty one is incomplete.
-
-Asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or ``save_state(..., async_save=True)``): :func:`snapshot_entries`
-copies this rank's state to host memory (CUDA: pinned buffers filled on the engine adapter's ``checkpoint`` side
-stream, which first waits for the compute stream and which the compute stream then waits for, so no later
-optimizer step changes a tensor before it is copied; the host does not block).  :func:`start_save` writes it on a
-background thread; at most one save is in flight, and :func:`wait_for_saves` (the next ``save_state``,
-``load_state``, ``end_training``, interpreter exit) joins it and raises its failure, naming the file, on every rank.
+docs/ARCHITECTURE.md section 7 tells both stories.  A directory written by ``save_state``
+(``integrations/state_io.py``) or a Trainer checkpoint is *complete* once its commit marker :data:`COMPLETE_FILE`
+exists; rank 0 writes :data:`PENDING_FILE` (every part the save will write) first and the marker last, after every
+rank reported its parts written.  A directory with neither marker (plain accelerate, older accel_flatshard) is
+judged by its files; an empty one is incomplete.  The asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or
+``save_state(..., async_save=True)``): :func:`snapshot_entries`, then :func:`start_save` on a thread, joined and its
+failure raised on every rank by :func:`wait_for_saves`.
 """
 from __future__ import annotations
 
@@ -126,7 +118,8 @@ _ADAPTERS: Dict[torch.device, CudaStreams] = {}
 def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[CudaStreams] = None
                      ) -> Tuple[Dict[str, Entry], Callable[[], None]]:
     """Host copies of ``entries`` as they are now; the returned ``ready()`` blocks until the copies are done
-    (immediately on CPU).  Later changes to the originals never reach the copies (module docstring).
+    (immediately on CPU).  Later changes to the originals never reach the copies: on CUDA they run on the adapter's
+    ``checkpoint`` side stream, which waits for the compute stream and which the compute stream then waits for.
     ``adapter``: the device adapter of every entry (default: CUDA tensors get their device's; tests pass the
     simulator's)."""
     out: Dict[str, Entry] = {}
