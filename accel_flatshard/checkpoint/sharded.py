@@ -12,10 +12,7 @@ overlap its own slices.  Directory layout::
       flatshard.json                   ours, written last: format, world size, tensors, checksums (and for an
                                        optimizer its param groups and plain-Python state values)
 
-A save builds ``<dir>.tmp-<random>`` and renames it into place (:func:`save_entries`: a crash leaves the previous
-checkpoint complete); a load checks sizes and checksums, unpickles ``.metadata`` through an allow-list and lets
-DCP read (:func:`open_checkpoint`, :func:`load_entries`).  Errors name the file or key; every rank raises when
-any rank fails (none is left waiting).  Usage: README "Checkpoints".
+How a save commits and a load checks: docs/ARCHITECTURE.md section 7; usage: README "Checkpoints".
 """
 from __future__ import annotations
 
