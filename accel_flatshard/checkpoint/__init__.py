@@ -1,9 +1,6 @@
-"""Checkpoints on disk for accel_flatshard models: sharded model and optimizer (DCP, resharded on load), offline tools.
+"""Checkpoints on disk for accel_flatshard models (its modules: docs/ARCHITECTURE.md, "Checkpoints on disk").
 
-:mod:`.sharded` (sharded save and load, any world size), :mod:`.dcp` (the DCP planners and storage layer),
-:mod:`.atomic` (the file writer), :mod:`.commit` (crash-consistent ``save_state`` directories, asynchronous save),
-:mod:`.offline` (inspect, read, consolidate with no process group), :mod:`.format` (errors, dtype names).  The full
-(gathered) state dicts are in memory, not on disk (:mod:`accel_flatshard.state_dict`); its functions are importable
+The full (gathered) state dicts are in memory (:mod:`accel_flatshard.state_dict`); their functions are importable
 from here too, as the README documents them.  Every name here is loaded on first use: importing ``.format`` from
 ``state_dict/`` runs this file, which must not import ``state_dict/`` back.
 """

@@ -1,14 +1,11 @@
 """Offline access (no process group) to sharded checkpoints and ``accelerator.save_state`` directories.
 
-* :func:`read_checkpoint_info` / :func:`read_full_tensors` - what a sharded checkpoint holds (from its JSON, no
-  tensor data read) and its full tensors, in batches.
-* :func:`consolidate` - a sharded *model* checkpoint as Hugging Face safetensors (``model.safetensors``, or
-  shards plus ``model.safetensors.index.json`` beyond ``max_shard_size``), read one output file's worth at a
-  time; tied parameters once, under their first name (as ``save_pretrained``), so ``from_pretrained`` works
-  next to a ``config.json``.
-* :func:`read_save_state_info` / :func:`consolidate_save_state` - the same for a ``save_state`` directory
-  (accelerate's FSDP layout): sharded checkpoints (``pytorch_model_fsdp_{i}/``, ``optimizer_{j}/``) or full
-  ``torch.save`` files (``pytorch_model_fsdp[_i].bin``, ``optimizer[_j].bin``), plus accelerate's own files.
+:func:`read_checkpoint_info` / :func:`read_full_tensors` / :func:`consolidate` for a sharded checkpoint;
+:func:`read_save_state_info` / :func:`consolidate_save_state` for a ``save_state`` directory (accelerate's FSDP
+layout): sharded checkpoints (``pytorch_model_fsdp_{i}/``, ``optimizer_{j}/``) or full ``torch.save`` files
+(``pytorch_model_fsdp[_i].bin``, ``optimizer[_j].bin``), plus accelerate's own files.  Consolidated output is
+Hugging Face's layout, read one output file's worth at a time, tied parameters once under their first name (as
+``save_pretrained``), so ``from_pretrained`` works next to a ``config.json``.
 """
 from __future__ import annotations
 
