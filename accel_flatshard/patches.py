@@ -1,13 +1,10 @@
-"""The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it.
+"""The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it
+(docs/ARCHITECTURE.md section 6: what an entry names, scopes, errors, ``uninstall``).
 
-Each :class:`Patch` names its target where it is defined (``owner`` + ``attribute``), why, by what (a dotted path
-resolved when installing: this module imports none of the replacements, nor accelerate), the versions it was
-checked on, and when it is applied (``scope``: nothing at import).  Three kinds: a replaced symbol, also in the
-modules known to bind it by name (``also_bound_in``) and in any imported module of ``scan_packages`` (or
-``__main__``) holding the original; a process-wide ``hook``; an entry of a library's dict (``key``).
-:func:`install` logs each change; a target moved or re-wrapped by a release is reported with the module, attribute
-and library version: a warning, or a RuntimeError where training or checkpoints would be wrong.  Never a silent
-no-op.  :func:`uninstall` undoes every change (tests).
+Three kinds of :class:`Patch`: a replaced symbol, also in the modules known to bind it by name (``also_bound_in``)
+and in any imported module of ``scan_packages`` (or ``__main__``) holding the original; a process-wide ``hook``;
+an entry of a library's dict (``key``).  A target moved or re-wrapped by a release is reported with the module,
+attribute and library version: a warning, or a RuntimeError where training or checkpoints would be wrong.
 """
 from __future__ import annotations
 
