@@ -155,8 +155,11 @@ class Accelerator(_BaseAccelerator):
             from ..plan import meta_copy, warn_before_first_step
 
             skeleton = meta_copy(model)  # (the model's structure: the prediction at the first forward needs it)
-        if self.native_amp:
-            _apply_autocast(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
+        if self.native_amp:  # accelerate's autocast wrapping (the same attributes: unwrap_model undoes it)
+            autocast = get_mixed_precision_context_manager(self.native_amp, self.autocast_handler)
+            model._original_forward = forward = model.forward
+            amp_forward = convert_outputs_to_fp32(autocast(getattr(forward, "__func__", forward)))
+            model.forward = MethodType(amp_forward, model) if hasattr(forward, "__func__") else amp_forward
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
         if opts.activation_checkpointing and not evaluation_mode:
             _apply_activation_checkpointing(wrapped)
@@ -300,15 +303,6 @@ def _refuse_unsharded_launch(state: Any) -> None:
             "backend (e.g. PartialState() or TrainingArguments created with a process group already "
             "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
             "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs")
-
-
-def _apply_autocast(model: nn.Module, autocast_context: Any) -> None:
-    """accelerate's prepare_model autocast wrapping (same attributes, so unwrap_model can undo it)."""
-    model._original_forward = model.forward
-    if not hasattr(model.forward, "__func__"):
-        model.forward = convert_outputs_to_fp32(autocast_context(model.forward))
-    else:
-        model.forward = MethodType(convert_outputs_to_fp32(autocast_context(model.forward.__func__)), model)
 
 
 def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
