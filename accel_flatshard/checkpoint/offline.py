@@ -56,7 +56,7 @@ def read_checkpoint_info(directory: str) -> Dict[str, Any]:
 
 def _read(directory: str, meta: Dict[str, Any], md: Any, names: List[str], verify: bool) -> Dict[str, torch.Tensor]:
     out = {n: torch.empty(meta["tensors"][n]["shape"], dtype=str_to_dtype(meta["tensors"][n]["dtype"])) for n in names}
-    load_entries(None, directory, meta, md, {k: v for k, v in out.items() if v.numel()}, verify)
+    load_entries(None, directory, meta, md, out, verify)
     return out
 
 

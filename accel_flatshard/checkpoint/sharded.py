@@ -127,9 +127,7 @@ def _load(model: nn.Module, directory: str, kind: str, verify_checksums: bool,
         entries = targets(index, meta)
     except Exception as e:  # noqa: BLE001 - raised on every rank by load_entries
         error = e
-    # zero-element pieces take no part in DCP reads (but are still state)
-    reads = {k: v for k, v in entries.items() if (v.local if isinstance(v, FlatRange) else v).numel()}
-    load_entries(index.group, found, meta, md, reads if error is None else {}, verify_checksums, error)
+    load_entries(index.group, found, meta, md, entries, verify_checksums, error)
     return meta, entries
 
 
@@ -217,8 +215,7 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     for fqn, vals in meta.get("values", {}).items():
         for key, value in vals.items():
             state.setdefault(fqn, {})[key] = decode_value(value)
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in meta["param_groups"]]
-    optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
+    optimizer.load_state_dict(torch_state_dict(optimizer, names, state, meta["param_groups"]))
 
 
 def _target(optimizer: torch.optim.Optimizer, info: ParamInfo, key: str, dtype: torch.dtype) -> torch.Tensor:
@@ -373,28 +370,25 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
     rank, size = (0, 1) if group is None else (group.world_rank, group.world_size)
     tmp = comm.broadcast_object(world, new_tmp_dir(directory) if rank == 0 else None)
     try:
-        files = dcp_save(entries, tmp, FlatSavePlanner(), world)
-    except BaseException:
+        gathered = comm.all_gather_object(world, dcp_save(entries, tmp, FlatSavePlanner(), world))
+        status = None
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    gathered = comm.all_gather_object(world, files)
-    status = None
-    if rank == 0:
-        try:
-            md_path = os.path.join(tmp, METADATA_FILE)
-            write_json_atomic(os.path.join(tmp, META_FILE), {
-                "format": FORMAT, "format_version": FORMAT_VERSION, **meta, "world_size": size,
-                "shard_size": group.shard_size if group is not None else 1,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch_version": torch.__version__,
-                "files": {name: f for rank_files in gathered for name, f in rank_files.items()},
-                "dcp_metadata": {"file": METADATA_FILE, "size": os.path.getsize(md_path),
-                                 "crc32": _crc32_of_file(md_path)},
-            })
-            commit_dir(tmp, directory)
-        except Exception as e:  # noqa: BLE001 - reported on every rank
-            status = f"rank 0 could not finish {directory}: {type(e).__name__}: {e}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                md_path = os.path.join(tmp, METADATA_FILE)
+                write_json_atomic(os.path.join(tmp, META_FILE), {
+                    "format": FORMAT, "format_version": FORMAT_VERSION, **meta, "world_size": size,
+                    "shard_size": group.shard_size if group is not None else 1,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch_version": torch.__version__,
+                    "files": {name: f for rank_files in gathered for name, f in rank_files.items()},
+                    "dcp_metadata": {"file": METADATA_FILE, "size": os.path.getsize(md_path),
+                                     "crc32": _crc32_of_file(md_path)},
+                })
+                commit_dir(tmp, directory)
+            except Exception as e:  # noqa: BLE001 - reported on every rank
+                status = f"rank 0 could not finish {directory}: {type(e).__name__}: {e}"
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # (gone already once committed)
     status = comm.broadcast_object(world, status)
     if status is not None:
         raise CheckpointError(f"saving {directory} failed (the previous checkpoint there is untouched): {status}")
@@ -431,6 +425,8 @@ def load_entries(group, directory: str, meta: Dict[str, Any], md: Optional[Metad
     """Collective: fill ``entries`` from the checkpoint; ``error`` (a problem found earlier on this
     rank) is raised on every rank instead of loading."""
     world = None if group is None else group.world_group
+    # zero-element pieces take no part in DCP reads (but are still state)
+    entries = {k: v for k, v in entries.items() if (v.local if isinstance(v, FlatRange) else v).numel()}
     if error is None:
         try:
             crcs = {(name, o, n): c for name, entry in meta["files"].items() for o, n, c in entry.get("items", [])}
