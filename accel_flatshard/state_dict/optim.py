@@ -140,7 +140,8 @@ def check_groups(saved: List[Dict[str, Any]], names: List[List[str]]) -> None:
 
 def torch_state_dict(optimizer: torch.optim.Optimizer, names: List[List[str]], state: Dict[str, Dict[str, Any]],
                      hyper: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """``{"state": {index: ...}, "param_groups": [...]}`` in the optimizer's own parameter order."""
+    """``{"state": {index: ...}, "param_groups": [...]}`` in the optimizer's own parameter order; ``hyper``: the
+    groups' hyperparameters (their ``params`` and ``param_names`` are ignored)."""
     out_state: Dict[int, Any] = {}
     out_groups = []
     idx = 0
@@ -267,10 +268,9 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
         except KeyError:
             raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter that is not in the model") from None
     check_groups(optim_state_dict["param_groups"], names)
-    hyper = [group_hyperparams(g) for g in optim_state_dict["param_groups"]]
     state = {fqn: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
              for fqn, entry in optim_state_dict["state"].items()}
-    return torch_state_dict(optimizer, names, state, hyper)
+    return torch_state_dict(optimizer, names, state, optim_state_dict["param_groups"])
 
 
 def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
