@@ -8,6 +8,7 @@ crash between the two renames leaves it complete under that name (``sharded.reso
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -21,16 +22,12 @@ __all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_di
 
 def fsync_dir(path: str) -> None:
     """Make renames and new entries in directory ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
