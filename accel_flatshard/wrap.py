@@ -40,7 +40,7 @@ def block_classes_of(model: nn.Module, names: Optional[Iterable[str]] = None) ->
     """Module classes in ``model`` named by ``names`` (default: the model's ``_no_split_modules``, else its
     :func:`repeated_block_classes`); ``ValueError`` when a name matches no submodule class."""
     if names is None:
-        names = _no_split_modules(model)
+        names = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or []}
         if not names:
             return repeated_block_classes(model)
     wanted = {n if isinstance(n, str) else n.__name__ for n in names}
@@ -83,10 +83,6 @@ def repeated_block_classes(model: nn.Module) -> Set[Type[nn.Module]]:
         _LOGGED_CHOICES.add(message)
         logger.warning(message)
     return classes
-
-
-def _no_split_modules(model: nn.Module) -> List[str]:
-    return list(dict.fromkeys(n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or []))
 
 
 def transformer_auto_wrap_policy(model_or_classes: Union[nn.Module, Sequence[Union[str, Type[nn.Module]]]],
