@@ -10,10 +10,9 @@ detection keep working: SHARDED_STATE_DICT writes the DCP directories ``pytorch_
 ``optimizer_{i}/`` from every rank (``checkpoint/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
 ``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` / ``optimizer_{i}.bin`` from rank 0 (atomically).
 ``save_state`` writes the rest (scheduler, scaler, samplers, RNG, custom objects) with accelerate's own helpers,
-following accelerate 1.15's order of steps, hooks and ``automatic_checkpoint_naming`` / ``total_limit``.  Every
-accel_flatshard model of ``accelerator._models`` is saved (index ``i`` in prepare order), and every optimizer with
-the one model it updates.  Loading reads the layout on disk (a run may switch ``state_dict_type`` between save and
-load, as the transformers docs advise for the final save), rank 0 deciding for everyone.
+following accelerate 1.15's order of steps, hooks and ``automatic_checkpoint_naming`` / ``total_limit``.  Loading
+reads the layout on disk (a run may switch ``state_dict_type`` between save and load, as the transformers docs
+advise for the final save), rank 0 deciding for everyone.
 """
 from __future__ import annotations
 
