@@ -69,21 +69,20 @@ def check_complete(directory: str) -> None:
             f"Load the previous one: accel_flatshard.checkpoint.newest_complete_checkpoint({parent!r}) finds it")
 
 
-def _numbered_dirs(root: str) -> List[Tuple[int, str]]:
+def _numbered_dirs(root: str, prefix: str) -> List[str]:
+    """The numbered folders of ``root`` whose names start with ``prefix``, oldest (lowest number) first."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := _NUMBERED.fullmatch(name)) and os.path.isdir(os.path.join(root, name))]
-    return sorted(found)
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if name.startswith(prefix)
+             and (m := _NUMBERED.fullmatch(name)) and os.path.isdir(os.path.join(root, name))]
+    return [path for _, path in sorted(found)]
 
 
 def newest_complete_checkpoint(root: str, prefix: str = "") -> Optional[str]:
     """The complete checkpoint folder of ``root`` with the highest number (``checkpoint_<n>``,
     ``checkpoint-<n>``, ...; names starting with ``prefix``), skipping incomplete ones (logged); None when there
     is none."""
-    for _, path in reversed(_numbered_dirs(root)):
-        if not os.path.basename(path).startswith(prefix):
-            continue
+    for path in reversed(_numbered_dirs(root, prefix)):
         missing = missing_parts(path)
         if missing is None:
             return path
@@ -99,7 +98,7 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
     the next one committed.  Returns the deleted paths."""
     if not total_limit or total_limit <= 0:
         return []
-    folders = [path for _, path in _numbered_dirs(root) if os.path.basename(path).startswith(prefix)]
+    folders = _numbered_dirs(root, prefix)
     keep = {newest_complete_checkpoint(root, prefix)} | {os.path.normpath(p) for p in protect if p}
     # incomplete ones first; the stable sort keeps each kind oldest first
     doomed = [p for p in sorted(folders, key=lambda p: missing_parts(p) is None) if p not in keep]
@@ -189,6 +188,7 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
     ``background``: on a thread (the caller returns at once), else here.  Waits for the previous save first."""
     wait_for_saves()
     save = SimpleNamespace(error=None, thread=None)  # error: a message, set when the save failed
+    world, rank = (None, 0) if group is None else (group.world_group, group.world_rank)
 
     def job() -> None:
         status = None
@@ -199,11 +199,9 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
                 write(group)
             status = None
         except BaseException as exc:  # noqa: BLE001 - reported on every rank, raised by wait_for_saves
-            rank = 0 if group is None else group.world_rank
             status = f"rank {rank} writing {status}: {type(exc).__name__}: {exc}"
-        statuses = [status] if group is None else comm.all_gather_object(group.world_group, status)
-        failed = [s for s in statuses if s]
-        if not failed and (group is None or group.world_rank == 0):
+        failed = [s for s in comm.all_gather_object(world, status) if s]
+        if not failed and rank == 0:
             try:
                 commit()
             except Exception as exc:  # noqa: BLE001
