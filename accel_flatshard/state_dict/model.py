@@ -196,38 +196,38 @@ class ModelIndex:
 
 
 # ---------------------------------------------------------------------- collective helpers
-def plan_where_given(group, given: Any, what: str, make_plan: Callable[[], Any]) -> Tuple[str, Any]:
-    """Collective: ``(mode, plan)``.  ``"local"`` when every rank passed a dict (``given``): ``make_plan()`` (which
-    raises CheckpointError/ValueError for a bad dict) runs on every rank, the error agreed on; ``"broadcast"`` when
-    only global rank 0 did: it runs there and is broadcast (so are the tensors later).  Otherwise an error on every
-    rank."""
+def plan_where_given(group, given: Any, what: str,
+                     make_plan: Callable[[], Any]) -> Tuple[Callable[..., torch.Tensor], Any]:
+    """Collective: ``(fetch, plan)`` for a dict being loaded.  When every rank passed it (``given``), ``make_plan()``
+    (which raises CheckpointError/ValueError for a bad dict) runs on every rank, the error agreed on, and
+    ``fetch(source, key, numel, dtype, device)`` is this rank's ``source[key]`` flattened; when only global rank 0
+    did, the plan is made there and broadcast, and ``fetch`` broadcasts rank 0's tensor (``source`` is None
+    elsewhere).  Otherwise an error on every rank."""
     world = group.world_group if group.world_size > 1 else None
     flags = comm.all_gather_object(world, given is not None)
     if not all(flags) and not (flags[0] and not any(flags[1:])):
         raise CheckpointError(f"{what}: pass the dict on every rank, or on rank 0 only (None elsewhere); "
                               f"got a dict on ranks {[r for r, f in enumerate(flags) if f]}")
-    mode = "local" if all(flags) else "broadcast"
+    local = all(flags)
     error = plan = None
     if given is not None:
         try:
             plan = make_plan()
         except Exception as e:  # noqa: BLE001 - reported on every rank
             error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    if mode == "broadcast":
+    if not local:
         plan, error = comm.broadcast_object(world, (plan, error))
-    agree(world if mode == "local" else None, error)  # (broadcast: every rank has rank 0's error already)
-    return mode, plan
+    agree(world if local else None, error)  # (broadcast: every rank has rank 0's error already)
 
+    def fetch(source: Optional[Dict[str, Any]], key: str, numel: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        if local:
+            return source[key].detach().reshape(-1)
+        buf = (source[key].detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
+               if group.world_rank == 0 else torch.empty(numel, dtype=dtype, device=device))
+        return comm.broadcast_tensor(group.world_group, buf)
 
-def full_value(group, mode: str, value: Optional[torch.Tensor], numel: int, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """One full tensor of a dict being loaded, flattened: this rank's own (``mode == "local"``), or global rank
-    0's broadcast to every rank (``value`` is None elsewhere)."""
-    if mode == "local":
-        return value.detach().reshape(-1)
-    buf = (value.detach().reshape(-1).to(device=device, dtype=dtype).contiguous()
-           if group.world_rank == 0 else torch.empty(numel, dtype=dtype, device=device))
-    return comm.broadcast_tensor(group.world_group, buf)
+    return fetch, plan
 
 
 # ---------------------------------------------------------------------- the full state dict
@@ -240,13 +240,11 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu_offload: bool
     group = index.group
     receives = not rank0_only or group.world_rank == 0
     full_of: Dict[int, torch.Tensor] = {}
-    if not rank0_only or group.replica_index == 0:  # only rank 0's shard group must gather
-        for flat in index.flat_params:
-            full = gather_full(flat, group)
-            if receives:
-                for slot, p in zip(flat.layout.slots, flat.params):
-                    full_of[id(p)] = _copy(full[slot.offset : slot.offset + slot.numel].view(slot.shape), cpu_offload)
-            del full
+    for flat in index.flat_params if not rank0_only or group.replica_index == 0 else ():  # (rank 0's shard group)
+        full = gather_full(flat, group)
+        for slot, p in zip(flat.layout.slots, flat.params) if receives else ():
+            full_of[id(p)] = _copy(full[slot.offset : slot.offset + slot.numel].view(slot.shape), cpu_offload)
+        del full
     if not receives:
         return {}
     return {key: full_of[id(index.params[index.param_of_key[key]].param)] if key in index.param_of_key
@@ -268,21 +266,17 @@ def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]],
     group = index.group
     if group.world_size == 1 and state_dict is None:
         raise CheckpointError("load_full_state_dict: rank 0 passed None; it must pass the state dict")
-    mode, sources = plan_where_given(group, state_dict, "load_full_state_dict",
-                                     lambda: _validate(index, state_dict, strict))
-
-    def value_of(key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return full_value(group, mode, state_dict[key] if state_dict is not None else None, numel, dtype, device)
-
+    fetch, sources = plan_where_given(group, state_dict, "load_full_state_dict",
+                                      lambda: _validate(index, state_dict, strict))
     with torch.no_grad():
         for name, info in index.params.items():
             if name in sources:
                 piece = info.piece
-                full = value_of(sources[name], info.numel, info.dtype, info.flat.device)
+                full = fetch(state_dict, sources[name], info.numel, info.dtype, info.flat.device)
                 info.local().copy_(full[piece.param_start : piece.param_start + piece.length])
         for name, tensor in index.buffers.items():
             if name in sources:
-                tensor.copy_(value_of(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape))
+                tensor.copy_(fetch(state_dict, name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape))
 
 
 def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Dict[str, str]:

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
-from .model import ModelIndex, ParamInfo, full_value, gather_full, plan_where_given
+from .model import ModelIndex, ParamInfo, gather_full, plan_where_given
 
 __all__ = ["full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch",
            "optim_state_dict_from_torch"]
@@ -215,8 +215,8 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     index = ModelIndex(model, "load_full_optim_state_dict")
     group = index.group
     names = [[i.fqn for i in infos] for infos in optimizer_groups(index, optimizer)]
-    mode, (schema, hyper) = plan_where_given(group, optim_state_dict, "load_full_optim_state_dict",
-                                             lambda: _plan(index, names, optim_state_dict))
+    fetch, (schema, hyper) = plan_where_given(group, optim_state_dict, "load_full_optim_state_dict",
+                                              lambda: _plan(index, names, optim_state_dict))
     state: Dict[str, Dict[str, Any]] = {}
     for fqn, entry in schema.items():
         info, out = index.params[fqn], state.setdefault(fqn, {})
@@ -224,8 +224,8 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
             if kind != SHARDED:
                 out[key] = state_value(kind, dtype, value)
                 continue
-            given = optim_state_dict["state"][fqn][key] if optim_state_dict is not None else None
-            full = full_value(group, mode, given, info.numel, str_to_dtype(dtype), info.flat.device)
+            given = optim_state_dict["state"][fqn] if optim_state_dict is not None else None
+            full = fetch(given, key, info.numel, str_to_dtype(dtype), info.flat.device)
             piece = info.piece
             out[key] = full[piece.param_start : piece.param_start + piece.length].to(info.flat.device).clone()
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
