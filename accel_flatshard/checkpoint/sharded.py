@@ -208,13 +208,10 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
         return entries
 
     meta, entries = _load(model, directory, "optimizer", verify_checksums, targets)
-    state: Dict[str, Dict[str, Any]] = {}
+    state = {fqn: {key: decode_value(v) for key, v in vals.items()} for fqn, vals in meta.get("values", {}).items()}
     for name, desc in meta["tensors"].items():
         entry = entries[name]
         state.setdefault(desc["param"], {})[desc["key"]] = entry.local if isinstance(entry, FlatRange) else entry
-    for fqn, vals in meta.get("values", {}).items():
-        for key, value in vals.items():
-            state.setdefault(fqn, {})[key] = decode_value(value)
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, meta["param_groups"]))
 
 
