@@ -1,9 +1,5 @@
-"""``accel-flatshard plan`` / ``python -m accel_flatshard.plan``: the memory planner's command line.
-
-The model comes from ``--model``, the options from accelerate's own launch flags and yaml (each planned, inert or
-refused by name: ``launch.py``); it prints :class:`~accel_flatshard.plan.Planner`'s per-rank breakdown and, with
-``--device_memory``, the configurations that fit (``--json``: the same as JSON, the peak under ``peak_bytes``).
-"""
+"""``accel-flatshard plan`` / ``python -m accel_flatshard.plan``: the memory planner's command line (its flags:
+:func:`build_parser`; accelerate's launch flags and yaml are planned, inert or refused by name in ``launch.py``)."""
 from __future__ import annotations
 
 import argparse
