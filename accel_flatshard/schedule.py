@@ -75,20 +75,15 @@ class Schedule:
         if unit.is_root and not (self.in_backward and inside_backward_pass()):
             args, kwargs = self._pre_root_forward(args, kwargs)
         if self.in_backward:  # an activation-checkpointing recomputation through module __call__
-            unit.unshard()
-            unit.wait_unshard()
-            if not unit.views_installed:  # (they stay until the unit's backward ends)
-                unit.install_views()
+            unit.gather()  # (views installed stay until the unit's backward ends)
             return args, kwargs
         unit.expect("pre_forward", UnitState.IDLE, UnitState.AWAIT_BACKWARD)
         unit.state = UnitState.FORWARD
         if not unit.is_root:  # (the root's forward is the flatshard::forward span)
             end_span(unit.forward_span)  # still open if the unit's previous forward raised
             unit.forward_span = begin_span(f"forward[{unit.name}]")
-        unit.unshard()
-        unit.wait_unshard()
+        unit.gather(new_views=True)
         self._record_and_prefetch(unit)
-        unit.install_views()
         if torch.is_grad_enabled() and unit.flat_params and not unit.trainable:
             # no gradient of its own to wait for: reshard once the gradients of all its inputs are computed,
             # i.e. its backward is over (torch FSDP1's reshard-only hook); inputs without grad: no backward
@@ -193,10 +188,7 @@ class Schedule:
         (kept to the forward's end, with grad to its backward's: ``_end_outside_reads``); else False (the shard)."""
         if not (self.in_forward or (self.in_backward and inside_backward_pass())):
             return False
-        unit.unshard()
-        unit.wait_unshard()
-        if not unit.views_installed:
-            unit.install_views()
+        unit.gather()
         if not self.in_backward and unit not in self._outside_reads:
             self._outside_reads.append(unit)
         return True
@@ -238,13 +230,11 @@ class Schedule:
         unit.expect("pre_backward", UnitState.AWAIT_BACKWARD, UnitState.BACKWARD_DONE, UnitState.IDLE)
         unit.state = UnitState.BACKWARD
         if unit.gathers_for_backward:
-            unit.unshard()
-            unit.wait_unshard()
             # Checkpointed layers may recompute forward inside backward without running module hooks
             # (transformers checkpoints `forward`, not `__call__`): the attributes must already resolve to
             # autograd-tracked views, so build them with grad mode on (hooks run with it off).
             with torch.enable_grad():
-                unit.install_views()
+                unit.gather(new_views=True)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_before(unit)
 

@@ -1,21 +1,10 @@
 """One unit (a module: a transformer block, or the root; the flat parameters it owns) and its state.
 
 Its state has two coordinates, each an enum that every hook checks (as torch FSDP2's ``TrainingState`` and
-``ShardedState``):
-
-* :class:`UnitState`, where it is in the step::
-
-      IDLE --pre_forward--> FORWARD --post_forward--> AWAIT_BACKWARD --pre_backward--> BACKWARD
-        ^                 (no grad: back to IDLE)                                          | its gradients
-        +--------- end of backward (the root's autograd callback) ---- BACKWARD_DONE <------+ are issued
-
-  and SUMMONED (``Schedule.summon``: full parameters, hooks stand aside).  A forward recomputed in backward
-  (activation checkpointing) changes no state.  Only the schedule (``schedule.py``) moves a unit along it.
-* :class:`ShardedState`, where its parameters are: SHARDED --unshard--> GATHERING --wait_unshard--> GATHERED
-  --reshard--> SHARDED, or KEPT (gathered across forwards for generation or a frozen model: reshards leave it).
-  The methods below make these moves, calling the engine (schedule -> unit -> engine).
-
-An unexpected state raises :class:`UnitStateError` naming the unit, the states and the hook.
+``ShardedState``; docs/ARCHITECTURE.md section 4 draws both): :class:`UnitState`, where it is in the step (only the
+schedule, ``schedule.py``, moves it), and :class:`ShardedState`, where its parameters are (KEPT: gathered across
+forwards, reshards leave it), moved by the methods below, which call the engine (schedule -> unit -> engine).  An
+unexpected state raises :class:`UnitStateError` naming the unit, the states and the hook.
 """
 from __future__ import annotations
 
@@ -132,10 +121,15 @@ class Unit:
                 self.reshard()
 
     # ------------------------------------------------------------------ views
-    def install_views(self) -> None:
-        for flat in self.flat_params:
-            flat.install_views(flat.unsharded_views())
-        self.views_installed = True
+    def gather(self, new_views: bool = False) -> None:
+        """Gathered, its attributes views of the gathered buffers: views already installed stay unless
+        ``new_views`` (built in the current grad mode)."""
+        self.unshard()
+        self.wait_unshard()
+        if new_views or not self.views_installed:
+            for flat in self.flat_params:
+                flat.install_views(flat.unsharded_views())
+            self.views_installed = True
 
     def uninstall_views(self) -> None:
         if self.views_installed:
