@@ -121,8 +121,6 @@ class FullyShardedDataParallel(nn.Module):
             # without a param_init_fn, meta tensors get host memory: the flat build copies them into the
             # device buffer, so the device holds one copy of one unit, not two
             _materialize(unit_users.values(), device if param_init_fn else torch.device("cpu"), param_init_fn)
-            for params, _, users in owned[id(unit_module)]:
-                _refresh_params(params, users)
             for user in unit_users.values():  # buffers go to the shards' device (parameters: the flat build)
                 for name, buf in list(user._buffers.items()):
                     if buf is not None and buf.device != device and not buf.is_meta:
@@ -149,6 +147,12 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, engine: Engine) -> FlatParameter:
+        # materialised modules may hold new Parameter objects: re-read them, re-tie those several modules share
+        # (each module's to_empty made its own copy)
+        for i, ((module, attr), *others) in enumerate(users):
+            params[i] = module._parameters[attr]
+            for other, other_attr in others:
+                other._parameters[other_attr] = params[i]
         group = self.shard_group
         compute_dtype = param_dtype if param_dtype is not None and params[0].is_floating_point() else None
         flat = FlatParameter(params, fqns, users, group.shard_rank, group.shard_size, compute_dtype,
@@ -314,17 +318,6 @@ def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict
         bucket[1].append(first_name[id(p)])
         bucket[2].append(users[id(p)])
     return {uid: list(g.values()) for uid, g in groups.items()}, innermost
-
-
-def _refresh_params(params: List[nn.Parameter], users: List[List[Tuple[nn.Module, str]]]) -> None:
-    """After materialisation a module may hold a new Parameter object: re-read it, and re-tie parameters
-    shared by several modules (each module's ``to_empty`` made its own copy)."""
-    for i, slot_users in enumerate(users):
-        module, attr = slot_users[0]
-        p = module._parameters[attr]
-        for other, other_attr in slot_users[1:]:
-            other._parameters[other_attr] = p
-        params[i] = p
 
 
 def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.device:
