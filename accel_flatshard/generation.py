@@ -14,10 +14,8 @@ token.  The alternatives:
   is a summon without writeback when the whole model (master dtype) fits the budget, else the session.
 * Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): no-grad forwards (a DPO/KTO/GRPO
   reference's log-probs) keep the planned units gathered for the next ones, until any optimizer step (TRL's
-  ``sync_ref_model`` writes after it), a forward of that model with grad, or ``ensure_idle``.
-
-``ensure_idle`` (checkpoint loads, summon) releases every kept unit: no stale buffer survives a write to the
-shards (writing them by other means needs ``model.ensure_idle(...)`` first).
+  ``sync_ref_model`` writes after it), a forward of that model with grad, or ``ensure_idle`` (checkpoint loads,
+  summon: no stale buffer survives a write to the shards).
 """
 from __future__ import annotations
 
