@@ -271,9 +271,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Optional[Dict[str, Any]],
     with torch.no_grad():
         for name, info in index.params.items():
             if name in sources:
-                piece = info.piece
                 full = fetch(state_dict, sources[name], info.numel, info.dtype, info.flat.device)
-                info.local().copy_(full[piece.param_start : piece.param_start + piece.length])
+                info.local().copy_(full.narrow(0, info.piece.param_start, info.piece.length))
         for name, tensor in index.buffers.items():
             if name in sources:
                 tensor.copy_(fetch(state_dict, name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape))

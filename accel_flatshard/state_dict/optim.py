@@ -221,13 +221,12 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     for fqn, entry in schema.items():
         info, out = index.params[fqn], state.setdefault(fqn, {})
         for key, (kind, dtype, value) in entry.items():
-            if kind != SHARDED:
+            if kind == SHARDED:
+                given = optim_state_dict["state"][fqn] if optim_state_dict is not None else None
+                full = fetch(given, key, info.numel, str_to_dtype(dtype), info.flat.device)
+                out[key] = full.narrow(0, info.piece.param_start, info.piece.length).to(info.flat.device).clone()
+            else:
                 out[key] = state_value(kind, dtype, value)
-                continue
-            given = optim_state_dict["state"][fqn] if optim_state_dict is not None else None
-            full = fetch(given, key, info.numel, str_to_dtype(dtype), info.flat.device)
-            piece = info.piece
-            out[key] = full[piece.param_start : piece.param_start + piece.length].to(info.flat.device).clone()
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
 
 
