@@ -405,13 +405,10 @@ class _PreloadedReader(FileSystemReader):
         data = f.read(length)
         if len(data) != length:
             raise CheckpointError(f"{where}: only {len(data)} of {length} bytes at byte {off} (truncated file)")
-        if self._crcs is not None:
-            expected = self._crcs.get((name, off, length))
-            if expected is None:
-                raise CheckpointError(f"{where}: no checksum recorded for bytes [{off}, {off + length})")
-            if zlib.crc32(data) != expected:
-                raise CheckpointError(
-                    f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
+        # (an item without a recorded checksum was refused before reading: sharded._verify_items)
+        if self._crcs is not None and zlib.crc32(data) != self._crcs.get((name, off, length)):
+            raise CheckpointError(
+                f"{path}: checksum mismatch in bytes [{off}, {off + length}) holding {sidx.fqn!r} (corrupt file)")
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
