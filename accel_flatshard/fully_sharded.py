@@ -325,7 +325,16 @@ def _target_device(module: nn.Module, group: ShardGroup, device_id) -> torch.dev
     the current CUDA device (accelerate and torchrun scripts set it to the local rank's GPU)."""
     if device_id is not None:
         return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    device = _module_device(module)
+    devices = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:  # meta tensors are materialised unit by unit on the others' device
+        devices.pop(torch.device("meta"), None)
+    if len(devices) > 1:
+        listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
+        raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. "
+                         "Move the model with .to(device) first")
+    device = next(iter(devices), torch.device("cpu"))
     # (also for "cuda:nccl,cpu:gloo", which accelerate may ask for: the GPU is where it trains)
     if group.uses_nccl and (device.type == "meta" or (device.type == "cpu" and torch.cuda.is_available())):
         return torch.device("cuda", torch.cuda.current_device())
@@ -358,19 +367,6 @@ def _materialize(modules: Iterable[nn.Module], device: torch.device, param_init_
         if _has_own_meta_tensors(module):
             raise RuntimeError(f"param_init_fn left meta tensors in {type(module).__name__}; it must materialise the "
                                "module's own parameters and buffers, e.g. module.to_empty(device=..., recurse=False)")
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    devices = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        devices.setdefault(t.device, name)
-    if len(devices) > 1:  # meta tensors are materialised unit by unit on the others' device
-        devices.pop(torch.device("meta"), None)
-    if len(devices) > 1:
-        listing = ", ".join(f"{d} (e.g. {n})" for d, n in devices.items())
-        raise ValueError(f"all parameters must be on one device before wrapping; found {listing}. "
-                         "Move the model with .to(device) first")
-    return next(iter(devices), torch.device("cpu"))
 
 
 def check_not_wrapped(module: nn.Module) -> None:
