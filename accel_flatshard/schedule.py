@@ -3,8 +3,7 @@
 Read top to bottom: the units' hooks (forward, backward), prefetch (the next unit in the recorded forward order;
 the previous one in backward), what stays gathered (the root, the last unit, a unit read outside its forward)
 and the end of backward (an autograd callback).  Outside the step it gathers the whole model (:meth:`summon`) or
-keeps chosen units gathered (:meth:`keep`, generation.py decides which).  No other module moves a unit's
-:class:`~.unit.UnitState` or reaches its engine (tests/test_layout.py).  Also: :func:`refuse_step_during_backward`.
+keeps chosen units gathered (:meth:`keep`, generation.py decides which).  Also: :func:`refuse_step_during_backward`.
 """
 from __future__ import annotations
 
