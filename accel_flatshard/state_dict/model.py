@@ -181,10 +181,8 @@ class ModelIndex:
                 canonical = slot.fqn if slot.fqn in keys or not keys else keys[0]
                 aliases = tuple([canonical] + [k for k in keys if k != canonical])
                 info = ParamInfo(canonical, aliases, tuple(slot.shape), slot.numel, flat.dtype, flat, i, p)
-                self.params[canonical] = info
-                self.by_param_id[id(p)] = info
-                for k in aliases:
-                    self.param_of_key[k] = canonical
+                self.params[canonical] = self.by_param_id[id(p)] = info
+                self.param_of_key.update(dict.fromkeys(aliases, canonical))
 
     def describe(self) -> Dict[str, Any]:
         """The JSON description of the model's tensors (canonical names, shapes, dtypes, aliases)."""
