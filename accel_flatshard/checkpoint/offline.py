@@ -65,8 +65,7 @@ def read_full_tensors(directory: str, names: Optional[Sequence[str]] = None, max
     """Yield ``(name, full tensor)`` from a sharded checkpoint, in checkpoint order (or that of ``names``), read
     in batches of about ``max_batch_bytes``."""
     directory, meta, md = open_checkpoint(directory)
-    batch: List[str] = []
-    size = 0
+    batch, size = [], 0
     for name in list(meta["tensors"]) if names is None else list(names):
         if name not in meta["tensors"]:
             raise CheckpointError(f"{name!r} is not in the checkpoint")
