@@ -1,6 +1,6 @@
 """Side-by-side training-step benchmark: accel_flatshard vs torch FSDP1 / FSDP2 / DDP / no communication.
 
-    .venv/bin/python benchmarks/bench.py            # (make bench) llama-40M + gpt2-5M, W=2, CPU/gloo, ~6 min (compile rows)
+    .venv/bin/python benchmarks/bench.py            # (make bench) gpt2-5M, llama-5M, llama-40M (+ compile rows), llama-150M
     .venv/bin/python benchmarks/bench.py --quick    # same rows, 5 timed steps: ~1.5-2 min
     .venv/bin/python benchmarks/bench.py --rows llama-5M,gpt2-40M,llama-150M --steps 6
     .venv/bin/python benchmarks/bench.py --world-size 4        # oversubscribes a 2-core host
@@ -200,7 +200,8 @@ def _rss_kib(field: str) -> int:
 
 
 def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> int:
-    """Peak memory increase during one step: CUDA max_memory_allocated, or CPU VmHWM over VmRSS."""
+    """Peak memory increase during one step: CUDA max_memory_allocated, or CPU VmHWM over VmRSS, plus what our
+    engine's buffer pool holds from the last step (in VmRSS before the step, yet the step's memory)."""
     gc.collect()
     if device.type == "cuda":
         _sync(device)
@@ -216,8 +217,10 @@ def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> in
     except OSError:
         return -1
     before = _rss_kib("VmRSS")
+    pool = getattr(getattr(getattr(runner.model, "_schedule", None), "engine", None), "pool", None)
+    held = pool.free_bytes if pool is not None else 0
     runner.step(x)
-    return (_rss_kib("VmHWM") - before) * 1024
+    return (_rss_kib("VmHWM") - before) * 1024 + held
 
 
 def row_profiler(device: torch.device):
@@ -248,10 +251,15 @@ def profile_tables(prof, runners: List[Runner], row: str, rank: int, args) -> Di
     return tables
 
 
+def row_engines(row: str, args) -> List[str]:
+    """The engines of ``row``: compiled ones only on the rows of --compile-rows (each compiles per rank, minutes)."""
+    return [e for e in args.engines + args.ours if "compile" not in e or row in args.compile_rows]
+
+
 def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: bool) -> Optional[dict]:
     base = build_model(row, args.seq)
     n_params = sum(p.numel() for p in base.parameters())
-    engines = args.engines + args.ours
+    engines = row_engines(row, args)
     runners: List[Runner] = []
     for e in engines:
         runners.append(make_runner(e, base, device, args, world))
@@ -377,7 +385,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     try:
         for row in args.rows:
             if rank == 0:
-                print(f"[bench] {row}: {', '.join(args.engines + args.ours)} ...", flush=True)
+                print(f"[bench] {row}: {', '.join(row_engines(row, args))} ...", flush=True)
             res = run_row(row, rank, world, device, args, args.fake_pg)
             if res is not None:
                 results.append(res)
@@ -396,9 +404,10 @@ def worker(rank: int, world: int, port: int, args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="llama-40M,gpt2-5M", help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--rows", default="gpt2-5M,llama-5M,llama-40M,llama-150M", help=f"comma list of {', '.join(SIZES)}")
+    p.add_argument("--compile-rows", default="llama-40M", help="rows that also run the '+compile' engines")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
-    p.add_argument("--ours", default="ours,ours+noprefetch,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+    p.add_argument("--ours", default="ours,ours+nopool,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
                    f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
     p.add_argument("--steps", type=int, default=8)
@@ -420,6 +429,7 @@ def parse_args(argv=None):
     if args.quick:
         args.steps, args.warmup = 5, 1
     args.rows = [r for r in args.rows.split(",") if r]
+    args.compile_rows = [r for r in args.compile_rows.split(",") if r]
     args.engines = [e for e in args.engines.split(",") if e]
     args.ours = [e for e in args.ours.split(",") if e]
     for r in args.rows:
