@@ -36,16 +36,6 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    """Exchange the memory (and sizes) of two storages; every tensor keeps its storage object (pool.py)."""
-    a._swap_data_ptr_(b)
-
-
-def storage_use_count(storage: torch.UntypedStorage) -> int:
-    """How many holders (tensors, storage objects) share ``storage``'s memory (pool.py: is a buffer ours alone)."""
-    return torch._C._storage_Use_Count(storage._cdata)
-
-
 def tensors_in(tree: Any) -> List[torch.Tensor]:
     return [t for t in _tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 

@@ -27,7 +27,6 @@ from ._compat import map_tensors
 from .comm import ShardGroup
 from .flat_param import FlatParameter
 from .offload import HostOffload
-from .pool import BufferPool
 from .profiler import span
 
 
@@ -79,7 +78,6 @@ class HostAdapter:
     # no streams or events (None): the host waits on work handles; note_alloc / note_free serve the tests' simulator
     compute_stream = side_stream = record = _nothing
     wait_stream = wait_event = synchronize = record_stream = note_alloc = note_free = _nothing
-    note_pool: Optional[Callable[[int], None]] = None  # the planner's: the buffer pool's free bytes changed
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -203,9 +201,6 @@ class Engine:
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
         self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
         self.offload: Optional[HostOffload] = HostOffload(self.streams) if offload else None
-        # host memory only: CUDA's caching allocator already reuses freed blocks, stream-aware (pool.py)
-        self.pool = None if self.use_streams else BufferPool(self.max_inflight + 1 + self.max_pending_reductions,
-                                                             self.streams.note_pool)
 
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
@@ -222,7 +217,7 @@ class Engine:
         s = self.streams
         with span("all_gather", label):
             with s.on(self.all_gather_stream):
-                out = flat.alloc_unsharded(self.pool)
+                out = flat.alloc_unsharded()
                 s.note_alloc(out, "unsharded", flat)
                 source = s.to_device(flat.local_shard) if self.offload else flat.local_shard  # offload: host shard
                 shard = source.to(flat.compute_dtype)
@@ -252,7 +247,7 @@ class Engine:
         compute = s.compute_stream()
         # allocated on the all-gather stream, read on the compute stream: not reusable before those reads
         s.record_stream(flat.unsharded, compute)
-        flat.free_unsharded(self.pool)
+        flat.free_unsharded()
         s.note_free(flat)
         event = s.record(compute)
         if event is not None:
@@ -268,10 +263,7 @@ class Engine:
         with span("reduce_scatter", label):
             # on the compute stream, where the gradient was produced: it can be dropped once the compute
             # stream waited for the reduction, without record_stream
-            if self.pool is None or full_grad.dtype == dtype:
-                full = full_grad.to(dtype)
-            else:  # the cast into a pooled block
-                full = self.pool.tensor(full_grad.numel(), dtype, full_grad.device).copy_(full_grad)
+            full = full_grad.to(dtype)
             del full_grad
             if self.predivide != 1:
                 full.div_(self.predivide)
@@ -331,15 +323,10 @@ class Engine:
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
             if not self.use_streams:
                 self.group.take_reduced_shard(r.shard_out, r.full_grad)
-        self._drop_full_grad(r)
+        r.full_grad = None
         if not self.use_streams:
             self._start_replica_reduce(r)
         self._reduced.append(r)
-
-    def _drop_full_grad(self, r: _PendingReduce) -> None:
-        if self.pool is not None and r.full_grad is not None:
-            self.pool.give_back(r.full_grad)
-        r.full_grad = None
 
     def finish_reduces(self) -> None:
         """Wait for every pending reduction and add the results to the sharded gradients."""
@@ -389,7 +376,6 @@ class Engine:
             self.offload.targets_consumed()
         for r in pending:
             _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
-            self._drop_full_grad(r)
         for r in pending + done:  # (on CUDA the replica all-reduce of a pending one is issued too)
             if r.replicas is not None:
                 _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)

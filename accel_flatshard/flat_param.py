@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 
 from ._compat import can_set_data
-from .pool import BufferPool
 
 DEFAULT_ALIGNMENT = 16  # elements; 64 bytes in fp32, 32 in bf16
 
@@ -156,23 +155,18 @@ class FlatParameter:
         with torch.no_grad():
             self.local_shard.copy_(full[lo : lo + self.layout.shard_numel])
 
-    def alloc_unsharded(self, pool: Optional[BufferPool] = None) -> torch.Tensor:
-        """Grow the unsharded storage back in place (memory from ``pool`` if given); returns the alias to gather
-        into."""
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Grow the unsharded storage back in place; returns the alias to gather into."""
         storage = self.unsharded.untyped_storage()
         if storage.nbytes() == 0:
-            pool.fill(storage, self._full_bytes) if pool is not None else storage.resize_(self._full_bytes)
+            storage.resize_(self._full_bytes)
         return self._gather_target
 
-    def free_unsharded(self, pool: Optional[BufferPool] = None) -> None:
-        storage = self.unsharded.untyped_storage()
-        pool.release(storage) if pool is not None else storage.resize_(0)
+    def free_unsharded(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
 
-    def unsharded_views(self, pool: Optional[BufferPool] = None) -> List[torch.Tensor]:
-        """Views of ``unsharded`` shaped like the original parameters (autograd-tracked when enabled); with a
-        ``pool``, their gradients are written into one of its blocks."""
-        if pool is not None:
-            return list(_ParamViews.apply(self.unsharded, self, pool))
+    def unsharded_views(self) -> List[torch.Tensor]:
+        """Views of ``unsharded`` shaped like the original parameters (autograd-tracked when enabled)."""
         pieces = torch.split(self.unsharded, self.layout.split_sizes)
         return [pieces[i].view(s.shape) for i, s in zip(self.layout.split_param_index, self.layout.slots)]
 
@@ -245,26 +239,6 @@ class FlatParameter:
         """Bytes this rank holds for the shard and its gradient."""
         held = [self.local_shard] + ([self.sharded_grad] if self.sharded_grad is not None else [])
         return sum(t.numel() * t.element_size() for t in held)
-
-
-class _ParamViews(torch.autograd.Function):
-    """``FlatParameter.unsharded_views`` as one autograd node whose backward writes the full gradient (padding
-    zero) into a pooled block: ``torch.split``'s backward would allocate it fresh (pool.py)."""
-
-    @staticmethod
-    def forward(ctx: Any, unsharded: torch.Tensor, flat: FlatParameter, pool: BufferPool) -> Tuple[torch.Tensor, ...]:
-        ctx.flat, ctx.pool = flat, pool
-        return tuple(flat.unsharded_views())
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        layout = ctx.flat.layout
-        full = ctx.pool.tensor(layout.padded_numel, grads[0].dtype, grads[0].device)
-        grad_of_split = dict(zip(layout.split_param_index, grads))  # (unused parameters' grads: zeros, by autograd)
-        torch.cat([grad_of_split[i].reshape(-1) if i in grad_of_split else full.new_zeros(n)
-                   for i, n in enumerate(layout.split_sizes)], out=full)
-        return full, None, None
 
 
 def gather_full(flat: FlatParameter, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Unit:
         self.wait_unshard()
         if new_views or not self.views_installed:
             for flat in self.flat_params:
-                flat.install_views(flat.unsharded_views(self.engine.pool))
+                flat.install_views(flat.unsharded_views())
             self.views_installed = True
 
     def uninstall_views(self) -> None:

@@ -200,8 +200,7 @@ def _rss_kib(field: str) -> int:
 
 
 def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> int:
-    """Peak memory increase during one step: CUDA max_memory_allocated, or CPU VmHWM over VmRSS, plus what our
-    engine's buffer pool holds from the last step (in VmRSS before the step, yet the step's memory)."""
+    """Peak memory increase during one step: CUDA max_memory_allocated, or CPU VmHWM over VmRSS."""
     gc.collect()
     if device.type == "cuda":
         _sync(device)
@@ -217,10 +216,8 @@ def step_peak_bytes(runner: Runner, x: torch.Tensor, device: torch.device) -> in
     except OSError:
         return -1
     before = _rss_kib("VmRSS")
-    pool = getattr(getattr(getattr(runner.model, "_schedule", None), "engine", None), "pool", None)
-    held = pool.free_bytes if pool is not None else 0
     runner.step(x)
-    return (_rss_kib("VmHWM") - before) * 1024 + held
+    return (_rss_kib("VmHWM") - before) * 1024
 
 
 def row_profiler(device: torch.device):
@@ -407,7 +404,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default="gpt2-5M,llama-5M,llama-40M,llama-150M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--compile-rows", default="llama-40M", help="rows that also run the '+compile' engines")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
-    p.add_argument("--ours", default="ours,ours+nopool,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
+    p.add_argument("--ours", default="ours,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
                    f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default 2 on CPU, 1 on CUDA)")
     p.add_argument("--steps", type=int, default=8)

@@ -220,11 +220,6 @@ def gather_embedding_for_backward(wrapped) -> None:
         unit.gathers_for_backward = True
 
 
-def no_buffer_pool(wrapped) -> None:
-    """engine.Engine.pool (issue 32): None, as before the pool (every gathered buffer and full gradient fresh)."""
-    wrapped._schedule.engine.pool = None
-
-
 # name -> ("kw", fn(model) -> constructor kwargs) or ("post", fn(wrapped) -> None)
 OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "noreshard": ("kw", lambda m: {"reshard_after_forward": False}),
@@ -248,7 +243,6 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "compilewhole": ("post", compile_whole),
     "nodisable": ("post", no_dynamo_disable),
     "embbwd": ("post", gather_embedding_for_backward),
-    "nopool": ("post", no_buffer_pool),
 }
 
 

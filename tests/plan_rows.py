@@ -4,10 +4,9 @@ its measured peak.
 Measured = torch's own dispatch-level tracker (``torch.distributed._tools.mem_tracker.MemTracker``) over one
 steady-state step (the second: optimizer state exists, forward prefetch follows the recorded order) of the
 real wrapped model: forward, backward, optimizer step, zero_grad, the micro-batches of an accumulated
-batch included.  It sees every storage an op creates, the gathered buffers through ``resize_`` (and the buffer
-pool's moves of memory between storages, taught below), and the tensors made before the step it is given (shards,
-optimizer state, buffers, inputs, offload's host buffers); the pool's free blocks are added to what it counts.
-RSS would blur all of this in the allocator.  ``SimulatedOOM``: the same tracker raising as soon
+batch included.  It sees every storage an op creates, the gathered buffers through ``resize_``, and the
+tensors made before the step it is given (shards, optimizer state, buffers, inputs, offload's host
+buffers); RSS would blur all of this in the allocator.  ``SimulatedOOM``: the same tracker raising as soon
 as the memory in use exceeds a limit (a device of that size).
 """
 from __future__ import annotations
@@ -18,9 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
-
-import accel_flatshard.pool
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision
 from accel_flatshard.integrations.config import FlatShardOptions
@@ -141,31 +138,9 @@ class SimulatedOOM(RuntimeError):
 class _LimitedTracker(MemTracker):
     """MemTracker that raises :class:`SimulatedOOM` when the memory in use exceeds ``limit`` bytes."""
 
-    def __init__(self, limit: Optional[int], pool: Any = None) -> None:
+    def __init__(self, limit: Optional[int]) -> None:
         super().__init__()
-        self.limit, self.pool, self.peak = limit, pool, 0
-
-    def __enter__(self) -> "_LimitedTracker":
-        # pool.py moves memory between storages (no op, no resize_): re-read both sizes, as MemTracker's resize_ patch
-        swap = accel_flatshard.pool.swap_storage_memory
-
-        def swap_and_count(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-            swap(a, b)
-            for storage in (a, b):
-                winfo = self._WINFO.get(storage, (None, None))[0]
-                if winfo is not None and winfo.size != storage.size():
-                    old = winfo.mem_consumed
-                    winfo.update_mem_consumed(storage)
-                    self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
-
-        self._restore_swap = contextlib.ExitStack()
-        self._restore_swap.callback(setattr, accel_flatshard.pool, "swap_storage_memory", swap)
-        accel_flatshard.pool.swap_storage_memory = swap_and_count
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._restore_swap.close()
-        super().__exit__(*exc)
+        self.limit = limit
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
         # its gradient hooks fail on frozen parameters; gradients are op outputs, counted anyway
@@ -173,9 +148,7 @@ class _LimitedTracker(MemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        # the engine's buffer pool holds free blocks no tensor views (pool.py): real memory MemTracker cannot see
-        used = sum(snap["Total"] for snap in self._curr_mem_snap.values()) + (self.pool.free_bytes if self.pool else 0)
-        self.peak = max(self.peak, used)
+        used = sum(snap["Total"] for snap in self._curr_mem_snap.values())
         if self.limit is not None and used > self.limit:
             raise SimulatedOOM(f"{used} bytes in use > {self.limit} at {func}")
         return out
@@ -199,7 +172,7 @@ def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None
     chunks = [_split(batch, i, r.cfg.micro_batch) for i in range(0, BATCH, r.cfg.micro_batch)]
     peak = 0
     for step in range(steps):
-        tracker = _LimitedTracker(limit, wrapped._schedule.engine.pool) if step == steps - 1 and sim is None else None
+        tracker = _LimitedTracker(limit) if step == steps - 1 and sim is None else None
         if tracker is not None:
             engine = wrapped._schedule.engine
             tensors = [f.unsharded for f in wrapped.flat_params] + (engine.offload.host_buffers if engine.offload else [])
@@ -220,7 +193,7 @@ def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None
             optimizer.step()
             optimizer.zero_grad()
         if tracker is not None:
-            peak = max(tracker.peak, max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
+            peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     return sim.peak_bytes["device"] if sim is not None else peak
 
 

@@ -781,9 +781,7 @@ def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, gr
         new.offload, old.offload.streams = old.offload, adapter
         for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
             sim.place(host, "host", pinned=True)
-    # (the buffer pool is the host's: a CUDA engine has none, pool.py)
-    stream_attrs = {"device", "streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream",
-                    "pool"}
+    stream_attrs = {"device", "streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
     if group is not None:
         stream_attrs |= {"group", "predivide", "postdivide"}
     differing = [k for k, v in vars(old).items()

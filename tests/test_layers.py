@@ -19,7 +19,7 @@ import test_layout  # noqa: E402
 LAYERS = [
     ("foundations", ["_compat", "options", "sizes", "mixed_precision", "patches", "profiler", "checkpoint.atomic",
                      "integrations.versions"]),
-    ("storage and collectives", ["flat_param", "pool", "comm", "offload", "checkpoint.format"]),  # format: errors, dtypes
+    ("storage and collectives", ["flat_param", "comm", "offload", "checkpoint.format"]),  # format: errors, dtypes
     ("state in memory", ["state_dict"]),  # the wrapper hands it its units and schedule at install
     ("engine", ["engine"]),
     ("units and schedule", ["unit", "schedule", "outside_reads", "wrap", "grad_norm"]),

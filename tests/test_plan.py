@@ -147,20 +147,13 @@ def test_planner_cuda_model_matches_the_simulators_device_peak():
 @pytest.mark.usefixtures("world_of_one")
 def test_the_plan_follows_a_flipped_schedule_rule(monkeypatch):
     """The planner runs the wrapper's own Schedule and Engine (issue 33): with one rule of the schedule flipped
-    (a unit's backward ends without resharding it: it stays gathered to the end of backward), the plan moves with
-    it, to the real step's peak under the same flip; a planner with rules of its own would still predict the
-    unflipped peak, and fail here.  (The flip of backward prefetch used before moves no peak since the buffer
-    pool, issue 32.)"""
+    (backward prefetch gathers nothing), the plan moves with it, to the real step's peak under the same flip;
+    a planner with rules of its own would still predict the unflipped peak, and fail here."""
     from accel_flatshard import fully_sharded
-    from accel_flatshard.unit import UnitState
 
-    def end_unit_backward_keeping_it_gathered(schedule, unit):
-        unit.uninstall_views()
-        unit.state = UnitState.BACKWARD_DONE
-
-    r = row("llama", 1, "FULL_SHARD", forward_prefetch=False)
+    r = row("llama", 1, "FULL_SHARD, prefetch BACKWARD_PRE", forward_prefetch=False)
     before = r.planner().predict(r.cfg).peak_bytes
-    monkeypatch.setattr(fully_sharded.Schedule, "_end_unit_backward", end_unit_backward_keeping_it_gathered)
+    monkeypatch.setattr(fully_sharded.Schedule, "_prefetch_before", lambda self, unit: None)
     flipped, measured = r.planner().predict(r.cfg).peak_bytes, measure(r)
     assert abs(flipped - measured) <= TOLERANCE * measured and abs(before - measured) > TOLERANCE * measured, \
         (before, flipped, measured)

@@ -48,13 +48,13 @@ MUTATIONS = [
              "        args, kwargs = self.engine.streams.move_inputs(args, kwargs)",
              "        pass", ("inputs_are_moved",)),
     Mutation("record_stream after the storage was resized to 0 (order swap)", "engine.py",
-             "        s.record_stream(flat.unsharded, compute)\n        flat.free_unsharded(self.pool)\n",
-             "        flat.free_unsharded(self.pool)\n        s.record_stream(flat.unsharded, compute)\n",
+             "        s.record_stream(flat.unsharded, compute)\n        flat.free_unsharded()\n",
+             "        flat.free_unsharded()\n        s.record_stream(flat.unsharded, compute)\n",
              ("trains_exactly_like_the_plain_model",)),
     Mutation("gathered buffer allocated on the compute stream (allocation stream)", "engine.py",
-             "            with s.on(self.all_gather_stream):\n                out = flat.alloc_unsharded(self.pool)\n"
+             "            with s.on(self.all_gather_stream):\n                out = flat.alloc_unsharded()\n"
              "                s.note_alloc(out, \"unsharded\", flat)\n",
-             "            out = flat.alloc_unsharded(self.pool)\n            s.note_alloc(out, \"unsharded\", flat)\n"
+             "            out = flat.alloc_unsharded()\n            s.note_alloc(out, \"unsharded\", flat)\n"
              "            with s.on(self.all_gather_stream):\n",
              ("trains_exactly_like_the_plain_model",)),
     Mutation("clip coefficient copied to the host gradients without waiting (device -> host)", "grad_norm.py",

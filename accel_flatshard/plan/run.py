@@ -40,8 +40,7 @@ class _Gloo(HostAdapter):
     """Gloo's adapter; the engine's notes of lifetimes (gathered buffers, full gradients) go to the trace."""
 
     def __init__(self, device: torch.device, trace: _Trace, **kwargs: Any) -> None:
-        self.trace, self.note_alloc, self.note_free, self.note_pool = trace, trace.note_alloc, trace.note_free, \
-            trace.note_pool
+        self.trace, self.note_alloc, self.note_free = trace, trace.note_alloc, trace.note_free
         super().__init__(device, **kwargs)
 
 
@@ -86,9 +85,8 @@ class _Cuda(_Gloo, CudaStreams):
         return torch.empty(host.shape, dtype=host.dtype).copy_(host)
 
 
-# what is held at the peak, by kind (activations: and transient buffers)
 PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffers", "gathered units", "full gradients",
-         "buffer pool", "activations", "optimizer step")
+         "activations", "optimizer step")  # what is held at the peak, by kind (activations: and transient buffers)
 PERSISTENT = ("parameter shards", "optimizer state", "module buffers")  # (the rest: "... at the peak")
 
 

@@ -106,18 +106,12 @@ class _Trace(TorchDispatchMode):
         self.host.add(key)
         return tensor
 
-    # the device adapter's notes: a gathered buffer (of a flat parameter), a full gradient cast for its reduction,
-    # the free blocks of the engine's buffer pool
+    # the device adapter's notes: a gathered buffer (of a flat parameter), a full gradient cast for its reduction
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if kind == "unsharded":
             self._add(tensor.untyped_storage().nbytes(), "gathered units", storage_key(tensor))
-        else:  # (a cast into a pooled block was made by no op)
-            self.hold([tensor])
+        else:
             self.relabel(tensor, "full gradients")
-
-    def note_pool(self, delta: int) -> None:
-        """The engine's buffer pool (pool.py) kept or dropped free blocks."""
-        self._add(delta, "buffer pool")
 
     def note_free(self, flat: Any) -> None:
         key = storage_key(flat.unsharded)
