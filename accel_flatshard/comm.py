@@ -167,14 +167,11 @@ class ShardGroup:
         work = dist.all_reduce(tensor, group=self.replica_group, async_op=async_op)
         return work if async_op else DONE
 
-    def all_reduce_world(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.world_group)
-        return tensor
-
-    def all_reduce_shard_group(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.shard_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.shard_group)
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, over_world: bool = False) -> torch.Tensor:
+        """Blocking all-reduce of ``tensor`` in place over the shard group (``over_world``: every rank)."""
+        size, group = (self.world_size, self.world_group) if over_world else (self.shard_size, self.shard_group)
+        if size > 1:
+            dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
 

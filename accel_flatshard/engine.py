@@ -232,14 +232,14 @@ class Engine:
             with span("all_gather_rate_limit"):
                 self.streams.synchronize(self._free_events.popleft())
 
-    def wait_unshard(self, flat: FlatParameter, label: str = "") -> None:
+    def wait_unshard(self, flat: FlatParameter) -> None:
         """Block (gloo) or make the compute stream wait (CUDA) until ``flat`` is gathered, unless waited for already."""
         entry = self._gathers.pop(flat, None)
         if entry is None:
             return
-        handle, issued_label = entry
-        with span("wait_all_gather", issued_label):
-            _wait(handle, f"all-gather of unit {issued_label or '?'}", self.group)
+        handle, label = entry  # (the label it was issued under)
+        with span("wait_all_gather", label):
+            _wait(handle, f"all-gather of unit {label or '?'}", self.group)
 
     def reshard(self, flat: FlatParameter) -> None:
         """Free the unsharded buffer (gathered and waited for) once every reader is done with it."""

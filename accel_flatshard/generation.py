@@ -111,7 +111,7 @@ class GenerationControl:
         if mine is None:
             mine = free_memory_bytes(self.schedule.device) // 2
         agreed = torch.tensor(mine, dtype=torch.int64, device=self.schedule.device)
-        return int(self.wrapper.shard_group.all_reduce_world(agreed, op=torch.distributed.ReduceOp.MIN).item())
+        return int(self.wrapper.shard_group.all_reduce(agreed, torch.distributed.ReduceOp.MIN, over_world=True).item())
 
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""

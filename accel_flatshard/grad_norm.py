@@ -46,7 +46,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         if index == 0:  # replicated gradients are identical on every rank: the first group's shard rank 0 adds them
             replicated_part = parts.pop().to(part.device)
             part = torch.maximum(part, replicated_part) if is_inf else part + replicated_part * (owner.shard_rank == 0)
-        parts.append(owner.all_reduce_shard_group(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM))
+        parts.append(owner.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM))
     parts = [t.to(parts[0].device) for t in parts]
     total = torch.stack(parts).max() if is_inf else torch.stack(parts).sum() ** (1.0 / norm_type)
     scale_by_clip_coefficient(every, max_norm, total)

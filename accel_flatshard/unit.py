@@ -88,7 +88,7 @@ class Unit:
     def wait_unshard(self) -> None:
         if self.sharded_state is ShardedState.GATHERING:
             for flat in self.flat_params:
-                self.engine.wait_unshard(flat, self.name)
+                self.engine.wait_unshard(flat)
             self.sharded_state = ShardedState.GATHERED
         elif self.sharded_state is ShardedState.SHARDED:
             raise self.error("wait_unshard", "no all-gather was issued")

@@ -169,7 +169,7 @@ class _NcclGroupStandIn:
     def __init__(self, device):
         self.device, self.all_reduced_on = device, []
 
-    def all_reduce_shard_group(self, tensor, op=None):
+    def all_reduce(self, tensor, op=None):
         self.all_reduced_on.append(tensor.device)
         raise StopIteration  # (the stand-in device holds no values: stop after the collective is issued)
 
