@@ -113,13 +113,9 @@ def transformer_auto_wrap_policy(model_or_classes: Union[nn.Module, Sequence[Uni
 
 
 def _untied_embedding_ids(model: nn.Module) -> frozenset:
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not callable(get_in) or not callable(get_out):
-        return frozenset()
     try:
-        inp, out = get_in(), get_out()
-    except (NotImplementedError, AttributeError):
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except (NotImplementedError, AttributeError):  # not a Hugging Face model, or one without them
         return frozenset()
     if inp is None or out is None or getattr(out, "weight", None) is getattr(inp, "weight", None):
         return frozenset()
