@@ -294,29 +294,25 @@ def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict
             out.append(unit)
         return out
 
-    users: Dict[int, List[Tuple[nn.Module, str]]] = {}
-    first_name: Dict[int, str] = {}
-    order: Dict[int, nn.Parameter] = {}  # first registration order
+    # parameter id -> (parameter, its first name, its (module, attribute) users), in first registration order
+    found: Dict[int, Tuple[nn.Parameter, str, List[Tuple[nn.Module, str]]]] = {}
     for mod_name, module in root.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is None:
                 continue
-            order.setdefault(id(p), p)
-            first_name.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
-            if (module, attr) not in users.setdefault(id(p), []):
-                users[id(p)].append((module, attr))
+            users = found.setdefault(id(p), (p, f"{mod_name}.{attr}" if mod_name else attr, []))[2]
+            if (module, attr) not in users:
+                users.append((module, attr))
 
     groups: Dict[int, Dict[Tuple[torch.dtype, bool], Tuple[list, list, list]]] = {id(m): {} for m in unit_modules}
-    for p in order.values():
-        chains = [chain(innermost[id(m)]) for m, _ in users[id(p)]]
+    for p, name, users in found.values():
+        chains = [chain(innermost[id(m)]) for m, _ in users]
         owner = next(u for u in chains[0] if all(any(u is v for v in c) for c in chains[1:]))
         if not p.is_floating_point():
-            raise TypeError(f"parameter {first_name[id(p)]} has dtype {p.dtype}; only floating-point parameters can be "
-                            "sharded")
+            raise TypeError(f"parameter {name} has dtype {p.dtype}; only floating-point parameters can be sharded")
         bucket = groups[id(owner)].setdefault((p.dtype, p.requires_grad), ([], [], []))
-        bucket[0].append(p)
-        bucket[1].append(first_name[id(p)])
-        bucket[2].append(users[id(p)])
+        for column, value in zip(bucket, (p, name, users)):
+            column.append(value)
     return {uid: list(g.values()) for uid, g in groups.items()}, innermost
 
 
