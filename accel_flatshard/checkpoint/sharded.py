@@ -84,7 +84,7 @@ def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
 def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Dict[str, Entry], dict]:
     """``(group, entries, meta)`` of the optimizer state, as :func:`model_entries` for the model."""
     index = ModelIndex(model, "save_sharded_optimizer")
-    groups = optimizer_groups(index, optimizer)
+    groups = optimizer_groups(optimizer, index.by_param_id)
     schema = state_schema(groups, optimizer, index.group)
     entries: Dict[str, Entry] = {}
     tensors: Dict[str, Any] = {}
@@ -180,7 +180,7 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     names: List[List[str]] = []
 
     def targets(index: ModelIndex, meta: Dict[str, Any]) -> Dict[str, Entry]:
-        names.extend([i.fqn for i in infos] for infos in optimizer_groups(index, optimizer))
+        names.extend([i.fqn for i in infos] for infos in optimizer_groups(optimizer, index.by_param_id))
         check_groups(meta.get("param_groups", []), names)
         known = {n for g in names for n in g}
         entries: Dict[str, Entry] = {}

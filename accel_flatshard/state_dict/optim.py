@@ -34,14 +34,14 @@ _SKIP_GROUP_KEYS = ("params", "param_names")
 
 
 # ---------------------------------------------------------------------- the schema
-def optimizer_groups(index: ModelIndex, optimizer: torch.optim.Optimizer) -> List[List[ParamInfo]]:
-    """The optimizer's param groups as lists of :class:`ParamInfo`."""
+def optimizer_groups(optimizer: torch.optim.Optimizer, of_param: Dict[int, Any]) -> List[List[Any]]:
+    """``of_param[id(p)]`` (a model's :class:`ParamInfo` or name) for the parameters of each param group."""
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if id(p) not in index.by_param_id:
+            if id(p) not in of_param:
                 raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter (shape {tuple(p.shape)}) that "
-                                      "is not the sharded model's; build the optimizer from model.parameters()")
-    return [[index.by_param_id[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+                                      "is not the model's; build the optimizer from model.parameters()")
+    return [[of_param[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def _describe(value: Any) -> Tuple[str, Optional[str], Any]:
@@ -172,7 +172,7 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
     """
     index = ModelIndex(model, "full_optim_state_dict")
     group = index.group
-    groups = optimizer_groups(index, optimizer)
+    groups = optimizer_groups(optimizer, index.by_param_id)
     schema = state_schema(groups, optimizer, group)
     receives = not rank0_only or group.world_rank == 0
     state: Dict[str, Dict[str, Any]] = {}
@@ -214,7 +214,7 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     """
     index = ModelIndex(model, "load_full_optim_state_dict")
     group = index.group
-    names = [[i.fqn for i in infos] for infos in optimizer_groups(index, optimizer)]
+    names = [[i.fqn for i in infos] for infos in optimizer_groups(optimizer, index.by_param_id)]
     fetch, (schema, hyper) = plan_where_given(group, optim_state_dict, "load_full_optim_state_dict",
                                               lambda: _plan(index, names, optim_state_dict))
     state: Dict[str, Dict[str, Any]] = {}
@@ -259,13 +259,8 @@ def optim_state_dict_to_torch(optim_state_dict: Dict[str, Any], model: nn.Module
 
         plain_opt.load_state_dict(optim_state_dict_to_torch(osd, plain_model, plain_opt))
     """
-    ids = {id(p): n for n, p in model.named_parameters()}  # canonical names: a tied parameter's first
-    names = []
-    for g, group in enumerate(optimizer.param_groups):
-        try:
-            names.append([ids[id(p)] for p in group["params"]])
-        except KeyError:
-            raise CheckpointError(f"optimizer param_groups[{g}] holds a parameter that is not in the model") from None
+    # canonical names: a tied parameter's first
+    names = optimizer_groups(optimizer, {id(p): n for n, p in model.named_parameters()})
     check_groups(optim_state_dict["param_groups"], names)
     state = {fqn: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
              for fqn, entry in optim_state_dict["state"].items()}
@@ -280,13 +275,12 @@ def optim_state_dict_from_torch(torch_osd: Dict[str, Any], model: nn.Module,
         osd = optim_state_dict_from_torch(plain_opt.state_dict(), plain_model, plain_opt)
         load_full_optim_state_dict(sharded_model, sharded_opt, osd)
     """
-    ids = {id(p): n for n, p in model.named_parameters()}
     index_to_name: Dict[int, str] = {}
     groups = []
-    for saved, group in zip(torch_osd["param_groups"], optimizer.param_groups):
-        if len(saved["params"]) != len(group["params"]):
+    names = optimizer_groups(optimizer, {id(p): n for n, p in model.named_parameters()})
+    for saved, fqns in zip(torch_osd["param_groups"], names):
+        if len(saved["params"]) != len(fqns):
             raise CheckpointError("the torch optimizer state dict's groups do not match the optimizer's groups")
-        fqns = [ids[id(p)] for p in group["params"]]
         index_to_name.update(zip(saved["params"], fqns))
         groups.append({**group_hyperparams(saved), "params": fqns})
     state = {index_to_name[i]: dict(v) for i, v in torch_osd["state"].items()}
