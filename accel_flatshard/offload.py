@@ -41,8 +41,7 @@ class HostOffload:
         # every host buffer allocated (all persistent: reused, never freed while the model lives)
         self.host_buffers: List[torch.Tensor] = []
         _LIVE.add(self)
-        if "offload" not in patches.INSTALLED:
-            patches.install("offload")
+        patches.install("offload")  # (idempotent)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.host_buffers.append(self.streams.host_empty(numel, dtype))
