@@ -21,7 +21,7 @@ import torch
 from ..sizes import parse_size
 from .atomic import write_atomic, write_json_atomic
 from .format import CheckpointError, dtype_to_str, str_to_dtype
-from .sharded import META_FILE, load_entries, open_checkpoint, read_meta, resolve_checkpoint_dir
+from .sharded import META_FILE, load_entries, open_checkpoint, read_meta
 
 __all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "is_save_state_dir",
            "read_save_state_info", "consolidate_save_state"]
@@ -44,8 +44,7 @@ def _size(path: str) -> int:
 def read_checkpoint_info(directory: str) -> Dict[str, Any]:
     """What a checkpoint holds: ``kind``, ``world_size``, ``shard_size``, ``model_class``, ``tensors`` (name ->
     shape, dtype, kind), ``total_bytes`` (tensor bytes), ``file_bytes`` (on disk), ... (no tensor data read)."""
-    directory = resolve_checkpoint_dir(directory)
-    meta = read_meta(directory)
+    directory, meta = read_meta(directory)
     info = {"directory": directory, **{k: meta.get(k) for k in (
         "kind", "world_size", "shard_size", "model_class", "optimizer_class", "saved_at", "torch_version", "tensors",
         "param_groups")}}

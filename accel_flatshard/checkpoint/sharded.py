@@ -250,14 +250,13 @@ def resolve_checkpoint_dir(path: str) -> str:
     raise CheckpointError(f"{path}: checkpoint directory does not exist{hint}")
 
 
-def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
-    """Read and sanity-check ``flatshard.json``; ``kind`` ("model"/"optimizer") must match when given."""
+def read_meta(directory: str, kind: Optional[str] = None) -> Tuple[str, Dict[str, Any]]:
+    """The resolved directory and sanity-checked ``flatshard.json`` (of ``kind``, when given) of a checkpoint."""
+    directory = resolve_checkpoint_dir(directory)
     path = os.path.join(directory, META_FILE)
     try:
         with open(path) as f:
             meta = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; {directory} is not a complete accel_flatshard checkpoint") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -270,7 +269,7 @@ def read_meta(directory: str, kind: Optional[str] = None) -> Dict[str, Any]:
             raise CheckpointError(f"{path}: field {field!r} is missing")
     if kind is not None and meta["kind"] != kind:
         raise CheckpointError(f"{directory}: this is a checkpoint of kind {meta['kind']!r}, expected kind {kind!r}")
-    return meta
+    return directory, meta
 
 
 def _crc32_of_file(path: str, block: int = 16 << 20) -> int:
@@ -393,8 +392,7 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
 
 def open_checkpoint(directory: str, kind: Optional[str] = None) -> Tuple[str, Dict[str, Any], Metadata]:
     """The complete checkpoint's directory, its ``flatshard.json`` (of ``kind``, if given) and safe ``.metadata``."""
-    directory = resolve_checkpoint_dir(directory)
-    meta = read_meta(directory, kind)
+    directory, meta = read_meta(directory, kind)
     info = meta["dcp_metadata"]
     md_path = os.path.join(directory, METADATA_FILE)
     if not os.path.isfile(md_path):
