@@ -52,8 +52,7 @@ def generation_options_from_env() -> GenerationOptions:
 # ---------------------------------------------------------------------- planning
 def unit_bytes(unit: Unit, master: bool = False) -> int:
     """Bytes of ``unit`` gathered: compute dtype (per-unit / session) or master dtype (summon)."""
-    return sum(f.layout.padded_numel * torch.empty((), dtype=f.dtype if master else f.compute_dtype).element_size()
-               for f in unit.flat_params)
+    return sum(f.layout.padded_numel * (f.dtype if master else f.compute_dtype).itemsize for f in unit.flat_params)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -271,6 +270,6 @@ def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: 
     (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
     control = control_of(wrapper)
     kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
-    everything = control.options.mode == "full" or (kept and len(kept) == len(control.schedule.units))
+    everything = len(kept) == len(control.schedule.units)  # (mode full: plan() keeps every unit)
     with control.schedule.summon(writeback=False) if everything else control.session():
         yield
