@@ -3,7 +3,7 @@ checkpoints record and :func:`agree` (every rank raises when one fails).  It imp
 (in-memory dicts, a layer below ``checkpoint/``) raises these errors too, and imports this module alone."""
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional
 
 import torch
 
@@ -31,8 +31,6 @@ def str_to_dtype(name: str, source: str = "checkpoint") -> torch.dtype:
     return value
 
 
-def agree(group, error: Union[None, str, BaseException]) -> None:
-    """:func:`comm.agree_on_error` with this package's error classes (a string becomes a CheckpointError)."""
-    if isinstance(error, str):
-        error = CheckpointError(error)
+def agree(group, error: Optional[BaseException]) -> None:
+    """:func:`comm.agree_on_error` with this package's error classes."""
     comm.agree_on_error(group, error, (CheckpointError, UnsafeCheckpointError), CheckpointError)

@@ -212,7 +212,7 @@ def plan_where_given(group, given: Any, what: str,
         try:
             plan = make_plan()
         except Exception as e:  # noqa: BLE001 - reported on every rank
-            error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+            error = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
     if not local:
         plan, error = comm.broadcast_object(world, (plan, error))
     agree(world if local else None, error)  # (broadcast: every rank has rank 0's error already)
