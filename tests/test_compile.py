@@ -186,13 +186,14 @@ def test_whole_model_compile_breaks_only_at_unit_hooks(placements):
 # ---------------------------------------------------------------------------- bf16 + activation checkpointing
 def _features_worker(rank, world):
     from accel_flatshard import MixedPrecision
-    from accel_flatshard.integrations.accelerate import _apply_activation_checkpointing
+    from accel_flatshard.wrap import checkpoint_units
 
     results = {}
     for compiled in (False, True):
         counters = _fresh_dynamo()
         model, opt = _ours(True if compiled else None, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
-        _apply_activation_checkpointing(model)  # accelerate's fsdp_activation_checkpointing (the order does not matter)
+        # accelerate's fsdp_activation_checkpointing (the order does not matter)
+        checkpoint_units(model.module, [u.module for u in model.units if not u.is_root])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results[compiled] = _train(model, opt, rank, world, 4)

@@ -131,7 +131,7 @@ def test_prepare_leaves_placement_to_the_wrapper(source):
     from accel_flatshard.integrations.accelerate import Accelerator
 
     accelerator = SimpleNamespace(device=torch.device("cuda", 0), state=SimpleNamespace(mixed_precision="bf16"),
-                                  _flatshard_options=SimpleNamespace(sync_module_states=True))
+                                  flatshard_options=SimpleNamespace(sync_module_states=True))
     with torch.device(source):
         model = Toy().to(torch.bfloat16)
     with pytest.warns(UserWarning, match="upcasting"):

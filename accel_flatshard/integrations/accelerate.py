@@ -57,7 +57,7 @@ class Accelerator(_BaseAccelerator):
         bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
-        self._flatshard_options: Optional[FlatShardOptions] = None
+        self.flatshard_options: Optional[FlatShardOptions] = None  # what models are wrapped with; None: not sharding
         if not (options.env_flag("ACCELERATE_USE_FSDP") or isinstance(plugin, FullyShardedDataParallelPlugin)):
             super().__init__(**params)
             return
@@ -82,9 +82,9 @@ class Accelerator(_BaseAccelerator):
         if self.distributed_type != DistributedType.FSDP:
             _refuse_unsharded_launch(self.state)
             return  # a single process without a launcher: nothing to shard
-        self._flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision,
-                                                      parallelism=self.parallelism_config)
-        normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self._flatshard_options)
+        self.flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision,
+                                                     parallelism=self.parallelism_config)
+        normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self.flatshard_options)
         self._setup_grad_scaler()
         # the library functions that must know our wrapper (patches.PATCHES); modules imported since
         # register() (TRL's trainers, transformers.trainer) hold bindings it could not reach yet
@@ -98,8 +98,7 @@ class Accelerator(_BaseAccelerator):
             return True  # a second Accelerator in the same process: the shared state is switched already
         # FSDP without a plugin: AcceleratorState was reset (not PartialState, whose copy of the type stays FSDP, as
         # under accelerate's own FSDP) and set up again from PartialState: switch it again, as the first time
-        switched_before = state.distributed_type == DistributedType.FSDP
-        if not (state.distributed_type == DistributedType.MULTI_CPU or switched_before) or not dist.is_initialized():
+        if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.FSDP) or not dist.is_initialized():
             _refuse_unsharded_launch(state)
             warnings.warn(
                 "accel_flatshard: an FSDP config was given but this is a single process (WORLD_SIZE "
@@ -125,18 +124,13 @@ class Accelerator(_BaseAccelerator):
         self.native_amp = True
         self.scaler = ShardedGradScaler(device=self.device.type, **kwargs)
 
-    @property
-    def flatshard_options(self) -> Optional[FlatShardOptions]:
-        """The options models are wrapped with (None when not sharding)."""
-        return self._flatshard_options
-
     # ------------------------------------------------------------------ prepare
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
         """Shard ``model`` with its own wrapper and engine (under an FSDP config; accelerate's own path otherwise),
         however many models one Accelerator gets.  ``evaluation_mode=True`` (e.g. TRL's reference model) shards it
         too, without activation checkpointing; frozen parameters hold no gradient memory."""
-        opts = self._flatshard_options
+        opts = self.flatshard_options
         if opts is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if getattr(model, "_is_accelerate_prepared", False):
@@ -161,8 +155,11 @@ class Accelerator(_BaseAccelerator):
             amp_forward = convert_outputs_to_fp32(autocast(getattr(forward, "__func__", forward)))
             model.forward = MethodType(amp_forward, model) if hasattr(forward, "__func__") else amp_forward
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
-        if opts.activation_checkpointing and not evaluation_mode:
-            _apply_activation_checkpointing(wrapped)
+        # accelerate's fsdp_activation_checkpointing: every inner unit, as for torch FSDP
+        if opts.activation_checkpointing and not evaluation_mode and not checkpoint_units(
+                wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
+            warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
+                          "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=2)
         if skeleton is not None:
             warn_before_first_step(wrapped, skeleton, opts, self.num_processes, self.native_amp, available_bytes)
         _compile_per_dynamo_plugin(wrapped, self.state.dynamo_plugin)  # after checkpointing, as accelerate does
@@ -175,7 +172,7 @@ class Accelerator(_BaseAccelerator):
         for torch FSDP, the wrapper materialises (meta) or copies (CPU) one unit at a time into its device buffer
         while sharding it, so the device never holds more than one unit unsharded (meta ranks get rank 0's)."""
         device, tensors = self.device, list(model.parameters()) + list(model.buffers())
-        if any(t.is_meta for t in tensors) and not self._flatshard_options.sync_module_states:
+        if any(t.is_meta for t in tensors) and not self.flatshard_options.sync_module_states:
             raise ValueError(
                 "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
                 "fsdp_sync_module_states is false: nothing would fill them; set it to true")
@@ -200,7 +197,7 @@ class Accelerator(_BaseAccelerator):
         """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP; over several
         prepared models (and unwrapped ones) the one norm torch's would give on the unsharded models, every gradient
         scaled by the same coefficient.  Collective over every model involved."""
-        if self._flatshard_options is None:
+        if self.flatshard_options is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not any(getattr(p, "_flatshard_group", None) is not None for p in params):
@@ -210,7 +207,7 @@ class Accelerator(_BaseAccelerator):
 
     def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
         """Elementwise, so clipping each rank's shard is exact (accelerate refuses this for torch FSDP)."""
-        if self._flatshard_options is None:
+        if self.flatshard_options is None:
             return super().clip_grad_value_(parameters, clip_value)
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -232,7 +229,7 @@ class Accelerator(_BaseAccelerator):
         collective: every rank calls it (once per prepared model)."""
         wrapped = find_wrapper(model)
         if wrapped is None:
-            if self._flatshard_options is not None:  # e.g. an evaluation-mode model: nothing is sharded
+            if self.flatshard_options is not None:  # e.g. an evaluation-mode model: nothing is sharded
                 return (self.unwrap_model(model) if unwrap else model).state_dict()
             return super().get_state_dict(model, unwrap=unwrap)
         return full_state_dict(wrapped, rank0_only=True, cpu_offload=True)
@@ -243,7 +240,7 @@ class Accelerator(_BaseAccelerator):
         """:func:`.state_io.save_state`; ``async_save=True`` (or ``FLATSHARD_ASYNC_SAVE=1``) writes model and
         optimizer in the background; an Accelerator that is not sharding saves synchronously and says so once."""
         async_save = save_model_func_kwargs.pop("async_save", None)
-        if self._flatshard_options is not None:
+        if self.flatshard_options is not None:
             return state_io.save_state(self, output_dir, safe_serialization, async_save=async_save)
         if (self.flatshard_async_save if async_save is None else async_save) and not self.__dict__.get("_sync_said"):
             self._sync_said = True
@@ -255,7 +252,7 @@ class Accelerator(_BaseAccelerator):
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> None:
         """Inverse of :meth:`save_state`; the layout (FULL or SHARDED) is detected from the directory."""
-        if self._flatshard_options is None:
+        if self.flatshard_options is None:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
         state_io.load_state(self, input_dir, load_kwargs, **load_model_func_kwargs)
 
@@ -303,13 +300,6 @@ def _refuse_unsharded_launch(state: Any) -> None:
             "backend (e.g. PartialState() or TrainingArguments created with a process group already "
             "initialised another way); let accel_flatshard's Accelerator (or TrainingArguments, under "
             "`-m accel_flatshard.run`) set it up, or set ACCELERATE_USE_CPU=true on a host without GPUs")
-
-
-def _apply_activation_checkpointing(wrapped: FullyShardedDataParallel) -> None:
-    """Checkpoint every inner unit, as accelerate does for torch FSDP (``wrap.checkpoint_units``)."""
-    if not checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
-        warnings.warn("fsdp_activation_checkpointing needs an auto-wrap policy that creates inner units "
-                      "(e.g. TRANSFORMER_BASED_WRAP); nothing is checkpointed", stacklevel=3)
 
 
 def _compile_per_dynamo_plugin(wrapped: FullyShardedDataParallel, plugin: Any) -> None:
