@@ -17,6 +17,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -362,9 +363,7 @@ def options_from_launch_args(argv: List[str]) -> tuple:
         args.machine_rank, args.main_process_port = args.machine_rank or 0, 0  # (0: any free port; nothing starts)
         env = prepare_multi_gpu_env(args)
     env["LOCAL_WORLD_SIZE"] = str(max(1, args.num_processes // max(1, args.num_machines)))
-    saved = dict(os.environ)
-    os.environ.update(env)  # accelerate's plugin reads its FSDP_* fields from the environment
-    try:
+    with mock.patch.dict(os.environ, env):  # accelerate's plugin reads its FSDP_* fields from the environment
         plugin = build_plugin_without_device(FullyShardedDataParallelPlugin)
         # the yaml's parallelism_config block / --parallelism_config_* flags, as the launched Accelerator builds it
         parallelism = requested_parallelism_config({})
@@ -373,9 +372,6 @@ def options_from_launch_args(argv: List[str]) -> tuple:
                              f"{parallelism.dp_shard_size} is {parallelism.total_size} processes, but num_processes is "
                              f"{args.num_processes}: make them agree")
         return options_from_plugin(plugin, args.mixed_precision, env, parallelism), args
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 # ---------------------------------------------------------------------- the launcher's environment
