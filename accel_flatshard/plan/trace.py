@@ -13,6 +13,10 @@ import torch.nn as nn
 
 from .._compat import TorchDispatchMode, outside_dispatch_modes, storage_key, tensors_in
 
+# ``aten._grouped_mm`` (transformers' MoE experts, its default ``experts_implementation``) on other than bf16 inputs
+# runs :func:`_grouped_mm_out`: torch's fake (meta) kernel accepts only bf16, its CPU kernel (and CUDA's since 2.10) any
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", False)
+
 
 class _Trace(TorchDispatchMode):
     """The device's bytes in use after every op (``live``; ``peak``, calling ``on_peak()`` as it rises): storages ops
@@ -38,7 +42,7 @@ class _Trace(TorchDispatchMode):
                 with outside_dispatch_modes():
                     out = func(*args, **kwargs)
                 self.add_real(tensors_in(out))
-            elif _needs_grouped_mm_fallback(func, args):
+            elif getattr(func, "overloadpacket", None) is _GROUPED_MM and args[0].dtype != torch.bfloat16:
                 out = _grouped_mm_out(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
@@ -116,13 +120,6 @@ class _Trace(TorchDispatchMode):
     def note_free(self, flat: Any) -> None:
         key = storage_key(flat.unsharded)
         self._free(key, *self.storages.pop(key, (0, "gathered units")))
-
-
-def _needs_grouped_mm_fallback(func: Any, args: Sequence[Any]) -> bool:
-    """``aten._grouped_mm`` (transformers' MoE experts, its default ``experts_implementation``) on other than
-    bf16 inputs: torch's fake (meta) kernel accepts only bf16, its CPU kernel (and CUDA's on torch >= 2.10) any."""
-    return getattr(func, "overloadpacket", None) is getattr(torch.ops.aten, "_grouped_mm", False) and \
-        args[0].dtype != torch.bfloat16
 
 
 def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None, bias: Any = None,
