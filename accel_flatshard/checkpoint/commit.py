@@ -1,12 +1,8 @@
 """Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
 
-docs/ARCHITECTURE.md section 7 tells both stories.  A directory written by ``save_state``
-(``integrations/state_io.py``) or a Trainer checkpoint is *complete* once its commit marker :data:`COMPLETE_FILE`
-exists; rank 0 writes :data:`PENDING_FILE` (every part the save will write) first and the marker last, after every
-rank reported its parts written.  A directory with neither marker (plain accelerate, older accel_flatshard) is
-judged by its files; an empty one is incomplete.  The asynchronous save (``FLATSHARD_ASYNC_SAVE=1`` or
-``save_state(..., async_save=True)``): :func:`snapshot_entries`, then :func:`start_save` on a thread, joined and its
-failure raised on every rank by :func:`wait_for_saves`.
+docs/ARCHITECTURE.md section 7 tells both stories: :data:`PENDING_FILE` first, the commit marker
+:data:`COMPLETE_FILE` last.  A directory with neither marker (plain accelerate, older accel_flatshard) is judged by
+its files; an empty one is incomplete.
 """
 from __future__ import annotations
 
