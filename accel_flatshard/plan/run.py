@@ -1,8 +1,6 @@
-"""The planner's step (``Planner.predict``): the real wrapper, its Schedule and Engine unchanged, trains the model
-for two steps on fake tensors over a fake process group of the planned size (this process is rank 0, the fullest
-shard), with a device adapter recording memory where the real one moves it (``engine.ADAPTER``).  ``"cuda"``: the
-CUDA adapter over numbered streams and events (the GPU lags arbitrarily: a ``record_stream``'ed block is free once
-the host waited for a later event).  The last step is measured (micro-steps after its second repeat the second).
+"""The planner's step (``Planner.predict``), as docs/ARCHITECTURE.md section 8 tells it.  This process is rank 0
+(the fullest shard); on ``"cuda"`` the GPU lags arbitrarily: a ``record_stream``'ed block is free once the host
+waited for a later event.  Of the last step, measured, micro-steps after the second repeat the second.
 """
 from __future__ import annotations
 
