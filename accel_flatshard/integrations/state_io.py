@@ -292,7 +292,6 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
                          else output_dir)
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
-    os.makedirs(output_dir, exist_ok=True)
     if config.automatic_checkpoint_naming:
         if acc.is_main_process:  # never the newest complete checkpoint (commit.prune_checkpoints)
             commit.prune_checkpoints(root, config.total_limit, reserve=1)
@@ -305,7 +304,6 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
         acc.wait_for_everyone()
         if acc.is_main_process and os.path.exists(output_dir):  # an interrupted save's leftovers
             shutil.rmtree(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
     logger.info(f"Saving current state to {output_dir}")
     sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
     manifest = {"parts": _parts(acc, sharded), "step": acc.step, "world_size": acc.num_processes}
