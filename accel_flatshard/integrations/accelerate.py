@@ -133,12 +133,10 @@ class Accelerator(_BaseAccelerator):
         opts = self.flatshard_options
         if opts is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if getattr(model, "_is_accelerate_prepared", False):
+        # prepared before, or wrapped by hand (as accelerate allows for torch FSDP)
+        if getattr(model, "_is_accelerate_prepared", False) or isinstance(model, FullyShardedDataParallel):
             if model not in self._models:
                 self._models.append(model)
-            return model
-        if isinstance(model, FullyShardedDataParallel):  # wrapped by hand, as accelerate allows for torch FSDP
-            self._models.append(model)
             model._is_accelerate_prepared = True
             return model
         check_not_wrapped(model)
