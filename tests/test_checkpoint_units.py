@@ -187,3 +187,15 @@ def test_parse_size():
     assert parse_size(123) == 123
     with pytest.raises(ValueError, match="cannot parse size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("direction", ["to_torch", "from_torch"])
+def test_torch_optimizer_conversion_names_a_parameter_outside_the_model(direction):
+    """An optimizer holding a parameter the model does not own: the conversion names the group and the shape."""
+    from accel_flatshard.state_dict.optim import optim_state_dict_from_torch, optim_state_dict_to_torch
+
+    model, stray = torch.nn.Linear(2, 3), torch.nn.Parameter(torch.zeros(5, 7))
+    optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    convert = optim_state_dict_to_torch if direction == "to_torch" else optim_state_dict_from_torch
+    with pytest.raises(CheckpointError, match=r"param_groups\[0\] holds a parameter \(shape \(5, 7\)\)"):
+        convert({"param_groups": [], "state": {}}, model, optimizer)
