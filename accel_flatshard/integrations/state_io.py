@@ -335,9 +335,8 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
     commit.wait_for_saves()
     if input_dir is not None:
         input_dir = os.path.expanduser(input_dir)
-        if not os.path.isdir(input_dir):
+        if not os.path.isdir(input_dir):  # (its completeness: _load checks it)
             raise ValueError(f"Tried to find {input_dir} but folder does not exist")
-        commit.check_complete(input_dir)
     elif acc.project_configuration.automatic_checkpoint_naming:
         root = os.path.join(acc.project_dir, "checkpoints")
         input_dir = commit.newest_complete_checkpoint(root)
