@@ -195,10 +195,8 @@ class Accelerator(_BaseAccelerator):
         """Global norm over all ranks' gradient shards (fp16: unscaled first), as for torch FSDP; over several
         prepared models (and unwrapped ones) the one norm torch's would give on the unsharded models, every gradient
         scaled by the same coefficient.  Collective over every model involved."""
-        if self.flatshard_options is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(getattr(p, "_flatshard_group", None) is not None for p in params):
+        if self.flatshard_options is None or not any(getattr(p, "_flatshard_group", None) is not None for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return clip_grad_norm_(params, max_norm, norm_type)  # (each model's part on its own group and device)
