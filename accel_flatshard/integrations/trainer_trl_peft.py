@@ -36,9 +36,7 @@ def sharding_reference_models(original: Callable) -> Callable:
     def prepare_fsdp(model: nn.Module, accelerator: Any) -> nn.Module:
         if getattr(accelerator, "flatshard_options", None) is None:
             return original(model, accelerator)
-        model = accelerator.prepare_model(model, evaluation_mode=True)
-        model.eval()
-        return model
+        return accelerator.prepare_model(model, evaluation_mode=True).eval()
 
     return prepare_fsdp
 
