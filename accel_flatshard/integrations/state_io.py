@@ -251,14 +251,16 @@ def _snapshots(background: bool) -> Iterator[Tuple[List[Tuple[str, Callable]], L
         SNAPSHOTS.parts = SNAPSHOTS.readies = None
 
 
-def _begin_save(acc: Any, output_dir: str, manifest: Dict[str, Any]) -> None:
-    """Rank 0 marks ``output_dir`` incomplete (the pending manifest) until :func:`_end_save` commits it."""
+def _begin_save(acc: Any, output_dir: str, parts: List[str], step: int) -> Dict[str, Any]:
+    """Rank 0 marks ``output_dir`` incomplete (the pending manifest, returned) until :func:`_end_save` commits it."""
+    manifest = {"parts": parts, "step": step, "world_size": acc.num_processes}
     if acc.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
             os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
         write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
     acc.wait_for_everyone()
+    return manifest
 
 
 def _end_save(acc: Any, output_dir: str, manifest: Dict[str, Any], background: bool, writes: List[Tuple[str, Callable]],
@@ -306,8 +308,7 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
             shutil.rmtree(output_dir)
     logger.info(f"Saving current state to {output_dir}")
     sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
-    manifest = {"parts": _parts(acc, sharded), "step": acc.step, "world_size": acc.num_processes}
-    _begin_save(acc, output_dir, manifest)
+    manifest = _begin_save(acc, output_dir, _parts(acc, sharded), acc.step)
     with _snapshots(background) as (writes, readies):
         _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
     for hook in acc._save_model_state_pre_hook.values():
@@ -381,9 +382,7 @@ def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[...
         parts = [accelerate_names(FSDP_MODEL_NAME, 0)[0] + "/"] if sharded else []
         if not self.args.save_only_model:
             parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0 if sharded else 1] + ("/" if sharded else ""))
-        manifest = {"parts": parts + ["trainer_state.json"], "step": self.state.global_step,
-                    "world_size": acc.num_processes}
-        _begin_save(acc, output_dir, manifest)
+        manifest = _begin_save(acc, output_dir, parts + ["trainer_state.json"], self.state.global_step)
         limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
         background = getattr(acc, "flatshard_async_save", False)
         with _snapshots(background) as (writes, readies):
