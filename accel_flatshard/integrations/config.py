@@ -21,6 +21,11 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
 from .. import options
 from ..mixed_precision import MixedPrecision
@@ -86,11 +91,6 @@ def options_from_plugin(
     FSDP2: ``fsdp_reshard_after_forward`` true/false is FULL_SHARD / SHARD_GRAD_OP, the other keys mean what they
     mean for FSDP1, backward prefetch is always on (FSDP2's implicit prefetch).  Options that cannot be honoured
     raise naming the key (``fsdp_ignored_modules``, ...); ``parallelism`` sets the shard groups."""
-    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
-
     from .state_io import state_dict_type_name  # what save_state writes: checked here, before training
 
     environ = os.environ if environ is None else environ
@@ -191,8 +191,6 @@ def requested_parallelism_config(params: Mapping[str, Any]) -> Any:
 def _layout_group_size(parallelism: Any, strategy: Any, group_size: Optional[int]) -> int:
     """dp_replicate x dp_shard as shard groups of ``dp_shard_size`` consecutive ranks: accelerate's mesh puts
     dp_shard innermost, so its groups are HYBRID_SHARD's with ``FLATSHARD_GROUP_SIZE=dp_shard_size``."""
-    from torch.distributed.fsdp import ShardingStrategy
-
     shard = parallelism.dp_shard_size
     if group_size is not None and group_size != shard:
         raise ValueError(f"FLATSHARD_GROUP_SIZE={group_size} disagrees with parallelism_config_dp_shard_size={shard}; "
@@ -239,8 +237,6 @@ def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     ``reshard_after_forward`` true is FULL_SHARD (ZeRO-3), false SHARD_GRAD_OP (ZeRO-2).  An explicit
     ``reshard_after_forward`` strategy (transformers' ``fsdp="shard_grad_op"``, fsdp_config version 1) counts over
     the ``sharding_strategy`` FULL_SHARD accelerate defaults to without ``FSDP_SHARDING_STRATEGY``."""
-    from torch.distributed.fsdp import ShardingStrategy
-
     strategy = getattr(plugin, "sharding_strategy", None)
     asked = getattr(plugin, "reshard_after_forward", None)
     if (isinstance(asked, ShardingStrategy) and strategy == ShardingStrategy.FULL_SHARD
@@ -258,10 +254,6 @@ def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
     """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place:
     accelerate and transformers branch on ``accelerator.is_fsdp2`` into torch-FSDP2-only code (``fully_shard``,
     DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls."""
-    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
-    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
-    from torch.distributed.fsdp import ShardingStrategy
-
     if getattr(plugin, "fsdp_version", 1) != 2:
         return
     strategy = (ShardingStrategy.NO_SHARD if options.fsdp_group_size == 1 else
