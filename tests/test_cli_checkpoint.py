@@ -1,4 +1,5 @@
-"""``accel-flatshard inspect`` / ``consolidate`` on small checkpoints written offline (no processes)."""
+"""``accel-flatshard inspect`` / ``consolidate`` and ``read_full_tensors`` on small checkpoints written offline (no
+processes)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_flatshard.checkpoint import CheckpointError
 from accel_flatshard.checkpoint.dcp import FlatRange
+from accel_flatshard.checkpoint.offline import read_full_tensors
 from accel_flatshard.checkpoint.sharded import save_entries
 from accel_flatshard.cli import main
 
@@ -65,3 +68,20 @@ def test_consolidate_errors_exit_nonzero(tmp_path, capsys):
     assert "__0_0.distcp: size is 100 bytes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["consolidate"])
+
+
+@pytest.mark.parametrize("max_batch_bytes", [1 << 30, 100], ids=["one_batch", "a_batch_per_tensor"])
+def test_read_full_tensors_yields_every_tensor_whole_in_checkpoint_order(tmp_path, max_batch_bytes):
+    original = _write(tmp_path / "ckpt")
+    read = list(read_full_tensors(str(tmp_path / "ckpt"), max_batch_bytes=max_batch_bytes))
+    assert [name for name, _ in read] == ["layer.weight", "layer.bias", "buf"]
+    assert all(torch.equal(tensor, original[name]) for name, tensor in read)
+
+
+def test_read_full_tensors_reads_the_names_asked_in_their_order_and_refuses_an_unknown_one(tmp_path):
+    original = _write(tmp_path / "ckpt")
+    read = list(read_full_tensors(str(tmp_path / "ckpt"), names=["buf", "layer.weight"]))
+    assert [name for name, _ in read] == ["buf", "layer.weight"]
+    assert all(torch.equal(tensor, original[name]) for name, tensor in read)
+    with pytest.raises(CheckpointError, match="'layer.scale' is not in the checkpoint"):
+        list(read_full_tensors(str(tmp_path / "ckpt"), names=["layer.scale"]))
