@@ -237,6 +237,8 @@ def test_hybrid_save_written_by_one_replica(run2):
     meta = json.load(open(f"{root}/llama/model/flatshard.json"))
     assert meta["world_size"] == 2 and meta["shard_size"] == 1
     assert sorted(meta["files"]) == ["__0_0.distcp"]  # replica 1 wrote no tensor data
+    data_files = [f for f in os.listdir(f"{root}/llama/model") if f.endswith(".distcp")]
+    assert data_files == ["__0_0.distcp"]  # and left no empty file that flatshard.json does not list
 
 
 def test_full_dicts_work_with_plain_hf_model_and_optimizer(run2, tmp_path):

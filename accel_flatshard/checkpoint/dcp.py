@@ -324,17 +324,26 @@ def storage_records(md: Metadata, source: str = "checkpoint") -> Dict[MetadataIn
     return out
 
 
+def _completed(value: Any) -> Future:
+    """A future already holding ``value`` (our storage layer writes and reads synchronously)."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
 class RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
     ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), with each item's CRC32 computed
     while writing, then fsyncs.  ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}``
-    (what ``flatshard.json`` lists; nothing for a rank that wrote no item)."""
+    (what ``flatshard.json`` lists; a rank with no item writes no file)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.files: Dict[str, Dict[str, Any]] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:  # type: ignore[override]
+        if not plan.items:  # (a hybrid save's other replicas): no empty file beside the ones flatshard.json lists
+            return _completed([])
         name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
         results, items = [], []
         with open(os.path.join(str(self.path), name), "wb") as f:
@@ -356,10 +365,8 @@ class RecordingWriter(FileSystemWriter):
                 del data, buf
             f.flush()
             os.fsync(f.fileno())
-            self.files = {name: {"size": f.tell(), "items": items}} if items else {}
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+            self.files = {name: {"size": f.tell(), "items": items}}
+        return _completed(results)
 
 
 class _PreloadedReader(FileSystemReader):
@@ -395,9 +402,7 @@ class _PreloadedReader(FileSystemReader):
                         dst.copy_(src)
                         planner.commit_tensor(req, dst)
                     del tensor
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        return _completed(None)
 
     def _read_item(self, f, path: str, name: str, off: int, length: int, sidx: MetadataIndex) -> torch.Tensor:
         where = f"{path}: {sidx.fqn!r} at offsets {tuple(sidx.offset or ())}"
