@@ -1,4 +1,4 @@
-"""The one adapter for the private torch APIs the package uses (checked on torch 2.11 - 2.13, the supported window):
+"""The one adapter for the private torch APIs the package uses (checked on torch 2.11 - 2.15, the supported window):
 in one place, a torch upgrade is a one-file review."""
 from __future__ import annotations
 

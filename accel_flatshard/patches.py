@@ -61,7 +61,7 @@ class Patch:
 SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
           "wrapper": "the first wrap, every Accelerator", "offload": "the first wrap with CPU offload",
           "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA"}
-_TORCH_HOOKS = "torch 2.11, 2.13"
+_TORCH_HOOKS = "torch 2.11, 2.13, 2.15"
 
 
 _FSDP_UTILS_WHY = ("torch FSDP's state_dict_type context finds no torch FSDP module in an accel_flatshard model "
@@ -73,30 +73,30 @@ PATCHES: Tuple[Patch, ...] = (
           "unmodified scripts (`from accelerate import Accelerator` after register()) shard with accel_flatshard",
           "accelerate 1.10.1, 1.16", also_bound_in=("accelerate.accelerator",), scope="register"),
     *(Patch(fn, "accelerate.utils.fsdp_utils", fn, f"accel_flatshard.integrations.state_io:{fn}",
-            _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24",
+            _FSDP_UTILS_WHY, "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.25",
             also_bound_in=_FSDP_FUNCTION_BINDINGS, scan_packages=("accelerate", "transformers", "trl", "peft"))
       for fn in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")),
     Patch("get_parameter_names", "transformers.trainer_pt_utils", "get_parameter_names",
           "accel_flatshard.integrations.trainer_trl_peft:seeing_through_wrapper",
           "the Trainer matches its weight-decay names against the prepared model's; the wrapper's only child is "
           "`module`, so every parameter would silently get no weight decay",
-          "transformers 4.57.6, 5.24", also_bound_in=("transformers.trainer",), wraps_original=True,
+          "transformers 4.57.6, 5.25", also_bound_in=("transformers.trainer",), wraps_original=True,
           optional_owner=True),
     Patch("trainer_checkpoint_commit", "transformers.trainer", "Trainer._save_checkpoint",
           "accel_flatshard.integrations.state_io:committing_trainer_checkpoints",
           "a Trainer checkpoint of a sharded model is complete only once every rank wrote its files (a commit marker, "
           "written last); FLATSHARD_ASYNC_SAVE writes its model and optimizer in the background; save_total_limit "
-          "never deletes the newest complete checkpoint", "transformers 4.57.6, 5.24", wraps_original=True,
+          "never deletes the newest complete checkpoint", "transformers 4.57.6, 5.25", wraps_original=True,
           essential=False, optional_owner=True),
     Patch("get_last_checkpoint", "transformers.trainer_utils", "get_last_checkpoint",
           "accel_flatshard.integrations.state_io:newest_complete_trainer_checkpoint",
           "`resume_from_checkpoint=True` would pick the newest checkpoint folder even when its save was interrupted "
-          "(no commit marker): it takes the newest complete one", "transformers 4.57.6, 5.24",
+          "(no commit marker): it takes the newest complete one", "transformers 4.57.6, 5.25",
           also_bound_in=("transformers.trainer",), essential=False, optional_owner=True),
     Patch("extract_model_from_parallel", "accelerate.utils.other", "extract_model_from_parallel",
           "accel_flatshard.integrations.trainer_trl_peft:seeing_through_wrapper",
           "PEFT/TRL/Trainer unwrap models with it (is_peft_model, unwrap_model); it knows only torch's wrappers",
-          "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.24; peft 0.17.1, 0.21; trl 0.24.0, 1.16",
+          "accelerate 1.10.1, 1.16; transformers 4.57.6, 5.25; peft 0.17.1, 0.21; trl 0.24.0, 1.16",
           also_bound_in=("accelerate.utils", "accelerate.accelerator", "transformers.modeling_utils"),
           scan_packages=("accelerate", "transformers", "peft", "trl"), wraps_original=True),
     Patch("prepare_fsdp", "trl.models.utils", "prepare_fsdp",
@@ -108,7 +108,7 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.integrations.trainer_trl_peft:saving_final_model_in_full",
           "under SHARDED_STATE_DICT (the README yaml) the Trainer's final `save_model()` wrote no weights, config or "
           "tokenizer and said nothing (transformers' rule for torch FSDP): it writes the full model, as under "
-          "FULL_STATE_DICT; the Trainer's checkpoints keep their sharded layout", "transformers 4.57.6, 5.24",
+          "FULL_STATE_DICT; the Trainer's checkpoints keep their sharded layout", "transformers 4.57.6, 5.25",
           wraps_original=True, essential=False, optional_owner=True),
     Patch("plugin_post_init", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.__post_init__",
           "accel_flatshard.integrations.config:post_init_without_device",

@@ -30,6 +30,8 @@ def pytest_configure(config):
     # here rather than in pyproject.toml, whose every change rebuilds the venv (Makefile)
     config.addinivalue_line("markers", "ci: run by CI (make test-ci) and make test-all, not by make test: "
                                        "launch-heavy cases whose code paths the default run also reaches")
+    config.addinivalue_line("markers", "pinned_env: true only of make test's pinned venv (constraints/pinned.txt); "
+                                       "make test-latest, which installs the newest releases, deselects it")
 
 
 def pytest_collection_modifyitems(session, config, items):

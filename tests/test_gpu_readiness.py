@@ -337,3 +337,17 @@ def test_api_check_catches_bad_positional_arguments_and_wrong_stream_event_metho
     assert "torch.cuda.synchronize with 2 positional arguments (bad_gpu_code.py:15): takes fewer" in text
     assert len(errors) == 5, text  # wait_stream, zeros(2, 3, 4) and the rest are right
 
+
+
+def test_api_check_against_the_installed_torch_fails_on_a_name_it_lacks(capsys):
+    """tools/torch_api_check.py --installed (make test-latest runs it on the newest torch): the package's uses pass,
+    a use the installed torch lacks is an error naming it."""
+    check = _api_check()
+    uses = check.scan_sources()
+    check.instance_uses(uses, check.installed_has_attribute)
+    assert check.check_installed(uses) == 0, capsys.readouterr().out
+    uses.add("torch.distributed.no_such_collective", "a.py:1")
+    uses.add("torch.distributed.all_reduce", "a.py:2", keywords=["no_such_keyword"])
+    assert check.check_installed(uses) == 1
+    out = capsys.readouterr().out
+    assert "no_such_collective (a.py:1) is absent in torch" in out and "has no keyword 'no_such_keyword'" in out

@@ -1,4 +1,4 @@
-"""The patch table (patches.py) and the version window (integrations/versions.py)."""
+"""The patch table (patches.py); the version window is tests/test_versions.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,7 @@ import accelerate.utils.fsdp_utils
 import transformers.trainer
 
 from accel_flatshard import patches
-from accel_flatshard.integrations import state_io, versions
+from accel_flatshard.integrations import state_io
 
 
 @pytest.fixture
@@ -142,30 +142,6 @@ def test_missing_non_essential_target_warns_with_the_version(clean_patches, monk
     with pytest.warns(RuntimeWarning, match=r"FullyShardedDataParallelPlugin\.__post_init__: no such attribute "
                                             rf"\(accelerate {accelerate.__version__}"):
         patches.install(register=True)
-
-
-def test_versions_below_the_window_fail_with_the_pip_command():
-    installed = {name: high + ".0" for name, (_, high) in versions.SUPPORTED.items()}
-    assert versions.check_versions(installed) == []
-    with pytest.raises(RuntimeError, match=r"accelerate 1\.9\.0 is older than the oldest supported 1\.10\.1: "
-                                           r"pip install -U 'accelerate>=1\.10\.1'"):
-        versions.check_versions({**installed, "accelerate": "1.9.0"})
-    with pytest.raises(RuntimeError, match="torch is not installed"):
-        versions.check_versions({**installed, "torch": None})
-    assert versions.check_versions({**installed, "trl": None}) == []  # optional library
-
-
-def test_versions_above_the_window_warn_untested():
-    installed = {name: low for name, (low, _) in versions.SUPPORTED.items()}
-    installed["torch"] = "2.13.0+cpu"
-    assert versions.check_versions(installed) == []
-    with pytest.warns(UserWarning, match=r"transformers 5\.30\.0 is newer than the newest tested 5\.24\.x"):
-        versions.check_versions({**installed, "transformers": "5.30.0"})
-    assert versions.check_versions({**installed, "accelerate": "1.15.7"}) == []  # a patch release of 1.15
-
-
-def test_installed_versions_are_inside_the_window():
-    assert versions.check_versions() == []
 
 
 def test_readme_lists_every_patch_as_the_table_renders_it():

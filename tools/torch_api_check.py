@@ -25,6 +25,7 @@ imported: ``tools/torch_sources.py``).
     python tools/torch_api_check.py                  # CI: the uses against the committed manifest (no torch 2.11)
     python tools/torch_api_check.py --wheel W.whl    # resolve every use in the wheel, rewrite the manifest
     python tools/torch_api_check.py --download       # the same with `pip download --no-deps torch==2.11.0`
+    python tools/torch_api_check.py --installed      # every use against the installed torch (make test-latest)
 
 The manifest (``tools/torch_2_11_api.json``) records, for each use, whether torch 2.11 has it.  CI fails when
 a required use is missing in 2.11, or when the sources use something the manifest does not list yet (then
@@ -339,6 +340,38 @@ def problems(uses: Uses, manifest: Dict[str, dict], same_reference: bool = True)
     return errors, notes
 
 
+def check_installed(uses: Uses) -> int:
+    """Resolve every use in the installed torch's own sources (the newest release, where make test-latest runs this):
+    a required name, keyword or positional count it lacks is an error.  What the 2.11 manifest marks unchecked (a
+    method name matched on a receiver that is not torch's, e.g. ``unit.gather(new_views=...)``, absent in CI's torch
+    too) stays unchecked; the tests, which run on that torch, decide those."""
+    import torch
+
+    resolver = Resolver(Sources(Path(torch.__file__).parent))
+    resolved = resolve_uses(uses, resolver)  # (without a reference every name it lacks reads "unchecked")
+    known = json.loads(MANIFEST.read_text())["uses"]
+    for chain, entry in resolved.items():
+        reference = known.get(chain, {})
+        if entry["status"] == "unchecked" and reference.get("status") != "unchecked":
+            entry["status"] = resolver.resolve(chain)[0]
+        for kind in ("keywords", "positional"):
+            for key, state in entry.get(kind, {}).items():
+                if state != "present" and reference.get(kind, {}).get(key) == "unchecked":
+                    entry[kind][key] = "unchecked"
+    errors, notes = problems(uses, resolved)
+    version = torch.__version__
+    for note in notes:
+        print("note:", note.replace(f"torch {TORCH_VERSION}", f"torch {version}"))
+    for error in errors:
+        print("ERROR:", error.replace(f"torch {TORCH_VERSION}", f"torch {version}"))
+    unchecked = sum(entry["status"] == "unchecked" for entry in resolved.values())
+    print(f"torch {version} (installed) API check: {len(uses.chains)} uses, {unchecked} left to the tests; "
+          f"{sum(len(u['keywords']) for u in uses.chains.values())} keywords and "
+          f"{sum(len(u['positional']) for u in uses.chains.values())} positional counts; {len(errors)} problems: "
+          f"{'PASS' if not errors else 'FAIL'}")
+    return 1 if errors else 0
+
+
 def download_wheel(directory: str) -> Path:
     """torch 2.11's CPU-only wheel from PyPI: the macOS arm64 one (~80 MB; the Linux x86_64 wheel on PyPI is the
     CUDA build).  Only its Python sources and stubs are read, the same in every platform's wheel."""
@@ -352,10 +385,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wheel", type=Path, help="torch 2.11 wheel (or an unpacked torch/ directory) to resolve in")
     parser.add_argument("--download", action="store_true", help="pip download the torch 2.11 wheel to a temp dir")
+    parser.add_argument("--installed", action="store_true", help="check every use against the installed torch "
+                        "(the newest release in make test-latest) instead of the 2.11 manifest")
     parser.add_argument("--verbose", action="store_true", help="list every use and its status")
     args = parser.parse_args(argv)
     uses = scan_sources()
     instance_uses(uses, installed_has_attribute)
+    if args.installed:
+        return check_installed(uses)
     if args.wheel or args.download:
         with tempfile.TemporaryDirectory() as tmp:
             wheel = args.wheel or download_wheel(tmp)
