@@ -4,11 +4,12 @@ from .fully_sharded import FullyShardedDataParallel
 from .grad_norm import clip_grad_norm_
 from .mixed_precision import MixedPrecision
 from .offload import CPUOffload
-from .unit import BackwardPrefetch
+from .options import BackwardPrefetch, FlatShardOptions
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-__all__ = ["Accelerator", "register", "FullyShardedDataParallel", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
-           "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy"]
+__all__ = ["Accelerator", "register", "FullyShardedDataParallel", "FlatShardOptions", "BackwardPrefetch",
+           "MixedPrecision", "CPUOffload", "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy",
+           "transformer_auto_wrap_policy"]
 __version__ = "0.1.0"
 
 

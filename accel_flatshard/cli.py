@@ -14,7 +14,6 @@ import json
 import sys
 from typing import List, Optional
 
-__all__ = ["main"]
 
 
 def _human(n: float) -> str:

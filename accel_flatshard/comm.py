@@ -2,18 +2,19 @@
 
 A :class:`ShardGroup` holds the shard group (size G) and, for hybrid sharding, the replica group (the ranks
 holding the same shard, size W/G), and runs the engine's collectives with the torch and backend at hand.
+:class:`Collectives` is what the engine asks of it: the interface the tests' stand-ins for a group implement too.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from . import options
+from .options import FlatShardOptions
 
 
 class _Works:
@@ -33,6 +34,27 @@ class _Works:
 
 
 DONE = _Works()  # a synchronous call, or world size 1
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """What the engine needs of a shard group (:class:`ShardGroup`; the tests' single-process stand-ins, which
+    ``tests/test_engine.py`` checks against this): sizes, ranks, and the three collectives of a step, each returning
+    a handle with ``wait()``."""
+
+    world_size: int
+    world_rank: int
+    shard_size: int
+    is_hybrid: bool
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True) -> Any:
+        """Every rank's ``shard`` into ``output``, in rank order."""
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Any:
+        """The sum of every rank's ``full``, this rank's part into ``output``."""
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True) -> Any:
+        """Sum ``tensor`` over the ranks holding the same shard (hybrid sharding)."""
 # torch >= 2.13 names the single-tensor collectives *_single; older versions use *_tensor.
 _all_gather_flat: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,10 +63,15 @@ _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or
 class ShardGroup:
     """The shard group and optional replica group of one wrapped model.
 
-    ``shard_size=None`` (or the world size) shards over every rank of ``process_group``; ``shard_size=G`` builds
-    W/G shard groups of G consecutive ranks and G replica groups joining rank ``i`` of each (HYBRID_SHARD)."""
+    ``options.group_size`` None (or the world size) shards over every rank of ``process_group``; G builds W/G shard
+    groups of G consecutive ranks and G replica groups joining rank ``i`` of each (HYBRID_SHARD).  ``shard_size`` is
+    the shard group's size.  The collective settings are ``options``' ``gloo_p2p``, ``reduce_scatter_via_all_reduce``
+    and ``timeout_s``."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, shard_size: Optional[int] = None) -> None:
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 options: Optional[FlatShardOptions] = None) -> None:
+        options = options or FlatShardOptions.from_environment()
+        shard_size = options.group_size
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("accel_flatshard needs torch.distributed to be initialised: call "
                                "torch.distributed.init_process_group(...) (or use accelerate launch / torchrun) first")
@@ -59,23 +86,25 @@ class ShardGroup:
         else:
             if shard_size < 1 or self.world_size % shard_size != 0:
                 raise ValueError(
-                    f"fsdp_group_size={shard_size} must divide the world size {self.world_size}; "
+                    f"group_size={shard_size} must divide the world size {self.world_size}; "
                     f"choose one of {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
                 )
             if self.world_group is not dist.group.WORLD:
-                raise ValueError("hybrid sharding (fsdp_group_size) needs the default process group")
+                raise ValueError("hybrid sharding (group_size) needs the default process group")
             self.shard_size = shard_size
+            timeout = datetime.timedelta(seconds=options.timeout_s)
             self.shard_group = _subgroup_containing(
-                self.world_rank, [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)])
+                self.world_rank, [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)],
+                timeout)
             self.replica_group = _subgroup_containing(
-                self.world_rank, [list(range(i, self.world_size, shard_size)) for i in range(shard_size)])
+                self.world_rank, [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
         self.shard_rank = dist.get_rank(self.shard_group)
         # gloo's all_gather_single / reduce_scatter_single stage through temporaries (152 MiB: 262 / 165 ms,
         # all-reduce 88 ms; isend/irecv straight into / out of the slots 99 ms, benchmarks/comm_bench.py): on
         # gloo both run as point-to-point batches unless FLATSHARD_GLOO_P2P=0.
-        p2p = options.get("FLATSHARD_GLOO_P2P")
+        p2p = options.gloo_p2p
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
-        self.reduce_scatter_via_all_reduce = options.get("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE") and not self.via_p2p
+        self.reduce_scatter_via_all_reduce = options.reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = self.bytes_reduced = 0  # counters for tests and the profiler
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
         self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
@@ -141,26 +170,24 @@ class ShardGroup:
         return _Works(dist.batch_isend_irecv(ops), then=sum_into_output)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
-        """Sum ``full`` over the shard group into this rank's ``output``; via all-reduce, ``full`` is reduced in
-        place and ``output`` must be taken with :meth:`take_reduced_shard` after ``wait()``."""
+        """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
+        and this rank's part copied out once the work is complete)."""
         self.bytes_reduced += full.numel() * full.element_size()
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
         if self.via_p2p:
             return _waited(self._reduce_scatter_p2p(output, full), async_op)
-        if self.reduce_scatter_via_all_reduce:
-            work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
-        else:
+        if not self.reduce_scatter_via_all_reduce:
             work = _reduce_scatter_flat(output, full, group=self.shard_group, async_op=async_op)
-        return work if async_op else DONE
+            return work if async_op else DONE
+        work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
+        return _waited(_Works([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """After a finished :meth:`reduce_scatter`: the reduced shard of this rank."""
-        if self.reduce_scatter_via_all_reduce:
-            n = output.numel()
-            output.copy_(full[self.shard_rank * n : (self.shard_rank + 1) * n])
-        return output
+        """Via all-reduce: this rank's part of the reduced ``full``, copied into ``output``."""
+        n = output.numel()
+        return output.copy_(full[self.shard_rank * n : (self.shard_rank + 1) * n])
 
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
         """Sum a reduced shard over the replica group (hybrid sharding only)."""
@@ -182,10 +209,9 @@ def _waited(work: "_Works", async_op: bool) -> "_Works":
     return work
 
 
-def _subgroup_containing(rank: int, rank_lists: List[List[int]]) -> dist.ProcessGroup:
+def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:
     """Create one group per rank list (collective) and return the one holding ``rank``; the timeout
-    ``FLATSHARD_TIMEOUT_S`` makes a dead peer raise in the others instead of hanging them."""
-    timeout = datetime.timedelta(seconds=options.get("FLATSHARD_TIMEOUT_S"))
+    (``timeout_s``) makes a dead peer raise in the others instead of hanging them."""
     return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 
 

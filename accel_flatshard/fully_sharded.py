@@ -6,23 +6,24 @@ parameters.  The step (hooks, order, prefetch, backward) is ``schedule.Schedule`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from . import generation, options, patches
+from . import generation, patches
+from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
 from .flat_param import FlatParameter
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
-from .mixed_precision import MixedPrecision
-from .offload import CPUOffload
+from .options import FlatShardOptions
 from .profiler import start_from_env
 from .state_dict import model as model_state
 from .schedule import Schedule
-from .unit import BackwardPrefetch, Unit
+from .unit import Unit
 from .wrap import Policy, select_units
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -38,24 +39,22 @@ class FullyShardedDataParallel(nn.Module):
         process_group: ranks to shard over (default: the world).
         auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel)`` choosing the inner units, e.g.
             :func:`transformer_auto_wrap_policy`; torch's policies work too.  ``None``: one unit (the root).
-        reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3); ``False`` keeps
-            them until backward (ZeRO-2 like: more memory, one all-gather less).
-        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``.
-        forward_prefetch: gather the next unit while the current one runs forward (default ``True``: with
-            BACKWARD_PRE the fastest exact schedule measured, README "Speed"; one more unit gathered).
-        fsdp_group_size: shard inside groups of this many ranks and all-reduce across groups (hybrid).
-        mixed_precision: a :class:`MixedPrecision` policy.
-        sync_module_states: broadcast rank 0's parameters and buffers at wrap time (unit by unit; other
-            ranks may hold a meta-device model).
         param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors, unit by unit
             (default: ``to_empty`` + ``reset_parameters``).
-        limit_all_gathers: at most this many all-gathers in flight (on CUDA also: freed gathered buffers the
-            compute stream has not yet finished with; the host waits beyond).
         device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
             module, the current CUDA device.  A module elsewhere is copied there unit by unit.
-        cpu_offload: ``CPUOffload(offload_params=True)`` (or torch's ``CPUOffload`` / ``CPUOffloadPolicy``)
-            keeps shards, sharded gradients and optimizer state in (pinned) host memory; the optimizer
-            steps on the host (``offload.py``).
+        cpu_offload: torch FSDP's spelling of ``offload_params``: ``CPUOffload(offload_params=True)`` (ours or
+            torch's), torch FSDP2's ``CPUOffloadPolicy`` or a bool.
+        options: a :class:`~accel_flatshard.options.FlatShardOptions` (default: from the ``FLATSHARD_*`` variables).
+        **settings: any of its fields, overriding ``options``: ``reshard_after_forward`` (free gathered parameters
+            after each unit's forward; False keeps them until backward, ZeRO-2 like), ``backward_prefetch``
+            (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch``
+            (default True: with BACKWARD_PRE the fastest exact schedule measured, README "Speed"), ``group_size``
+            (hybrid: shard inside groups of this many ranks, all-reduce across groups), ``mixed_precision`` (a
+            :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's parameters and buffers, unit by
+            unit: other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA
+            also freed gathered buffers the GPU still reads), ``offload_params`` (shards, sharded gradients and
+            optimizer state in (pinned) host memory; the optimizer steps on the host, ``offload.py``), ...
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter`` objects, each
     a 1-D view of this rank's slice; build the optimizer from them (before or after wrapping).  Example::
@@ -73,28 +72,28 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         process_group=None,
         auto_wrap_policy: Optional[Policy] = None,
-        reshard_after_forward: bool = True,
-        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch: bool = True,
-        fsdp_group_size: Optional[int] = None,
-        mixed_precision: Optional[MixedPrecision] = None,
-        sync_module_states: bool = True,
         param_init_fn: Optional[ParamInitFn] = None,
-        limit_all_gathers: int = 2,
         device_id: Optional[Union[int, torch.device]] = None,
-        cpu_offload: Optional[CPUOffload] = None,
+        cpu_offload: Any = None,
+        options: Optional[FlatShardOptions] = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {backward_prefetch!r}")
         check_not_wrapped(module)
-        options.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
+        environment.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
+        if cpu_offload is not None:
+            settings.setdefault("offload_params", wants_offload(cpu_offload))
+        if options is None:
+            options = FlatShardOptions.from_environment(**settings)
+        elif settings:
+            options = dataclasses.replace(options, **settings)
+        self.options = options
         if "wrapper" not in patches.INSTALLED:
             patches.install("wrapper")  # the optimizer step hook that refuses steps during backward
         self.module = module
-        self.shard_group = ShardGroup(process_group, fsdp_group_size)
+        self.shard_group = ShardGroup(process_group, options)
         device = _target_device(module, self.shard_group, device_id)
         if self.shard_group.uses_nccl and not self.shard_group.uses_gloo and device.type != "cuda":
             raise ValueError(f"the nccl backend needs CUDA parameters but {type(module).__name__} is on {device}; call "
@@ -103,16 +102,16 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"{type(module).__name__} is on {device} but the process group uses gloo; use the nccl "
                              "backend for CUDA")
         self.shard_group.bind_device(device)
-        self.mixed_precision = mixed_precision
-        reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision else None
-        if options.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
+        mixed_precision, sync_module_states = options.mixed_precision, options.sync_module_states
+        if environment.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
             start_from_env(self.shard_group.world_rank)
-        engine = Engine(self.shard_group, device, reduce_dtype, limit_all_gathers, offload=wants_offload(cpu_offload))
-        self._schedule = schedule = Schedule(engine, backward_prefetch, forward_prefetch, mixed_precision)
+        engine = Engine(self.shard_group, device, options)
+        # the model's step and its operations outside the step: generation, state dicts and the planner use it
+        self.schedule = schedule = Schedule(engine, options)
 
         unit_modules = select_units(module, auto_wrap_policy)
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-        owned, innermost = _assign_owners(module, unit_modules)
+        owned, innermost = assign_owners(module, unit_modules)
         param_dtype = mixed_precision.param_dtype if mixed_precision else None
         for unit_module in unit_modules:
             # materialise (if on meta), flatten and shard one unit at a time: low peak memory
@@ -128,9 +127,9 @@ class FullyShardedDataParallel(nn.Module):
             flats = [self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
                      for params, fqns, users in owned[id(unit_module)]]
             unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
-                        reshard_after_forward)
+                        options.reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit
-            self._schedule.add_unit(unit)
+            schedule.add_unit(unit)
         buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None
         for owner in module.modules():
             for name, buf in [(n, b) for n, b in owner._buffers.items() if b is not None]:
@@ -138,11 +137,11 @@ class FullyShardedDataParallel(nn.Module):
                     broadcast_tensor(self.shard_group.world_group, buf)
                 if buffer_dtype is not None and buf.is_floating_point():
                     owner._buffers[name] = buf.to(buffer_dtype)
-        # state_dict() gathers (collective); ensure_idle is handed down (state_dict/ sits below the schedule)
-        model_state.install(self, schedule.units, lambda what: schedule.ensure_idle(what))
+        # state_dict() gathers (collective); what it asks the schedule is handed down (state_dict/ sits below it)
+        model_state.install(self, schedule.units, lambda what: schedule.ensure_idle(what), lambda: schedule.is_summoned)
         if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
             module.__dict__["generate"] = types.MethodType(generation.generate_in_session, module)
-        if options.get("FLATSHARD_KEEP_FROZEN_GATHERED"):
+        if options.keep_frozen_gathered:
             generation.control_of(self)  # its no-grad forwards keep units gathered from the first one
 
     # ------------------------------------------------------------------ construction helpers
@@ -205,41 +204,35 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def units(self) -> List[Unit]:
-        return self._schedule.units
+        return self.schedule.units
 
     @property
     def flat_params(self) -> List[FlatParameter]:
-        return [f for u in self._schedule.units for f in u.flat_params]
+        return [f for u in self.schedule.units for f in u.flat_params]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate full gradients locally; the first backward outside reduces them all at once (costs one
         full-size gradient per unit in memory, saves one reduce-scatter per micro-step)."""
-        previous = self._schedule.sync_grads
-        self._schedule.sync_grads = False
+        previous = self.schedule.sync_grads
+        self.schedule.sync_grads = False
         try:
             yield
         finally:
-            self._schedule.sync_grads = previous
+            self.schedule.sync_grads = previous
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True, recurse: bool = True, rank0_only: bool = False,
-                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
-        """Every parameter in full inside (``state_dict()`` is the plain model's, on every rank; forwards and
-        ``generate()`` gather nothing); ``writeback`` keeps changes made inside.  ``recurse`` is accepted for torch
-        FSDP's signature (the whole model is gathered), its other arguments only at their defaults.  See
-        ``Schedule.summon``."""
-        if rank0_only or offload_to_cpu or with_grads:
-            raise ValueError(f"accel_flatshard summon_full_params supports writeback and recurse only (got rank0_only="
-                             f"{rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}); every rank "
-                             "gets the full parameters on the model's device")
-        with self._schedule.summon(writeback):
+    def summon_full_params(self, writeback: bool = True, recurse: bool = True) -> Iterator[None]:
+        """Every parameter in full inside, on every rank, on the model's device (``state_dict()`` is the plain
+        model's; forwards and ``generate()`` gather nothing); ``writeback`` keeps changes made inside.  ``recurse``
+        is accepted for torch FSDP's signature (the whole model is gathered).  See ``Schedule.summon``."""
+        with self.schedule.summon(writeback):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm over every rank; returns the total norm."""
         return _clip_grad_norm(list(self.parameters()), max_norm, norm_type, group=self.shard_group,
-                               device=self._schedule.device)
+                               device=self.schedule.device)
 
     def sharded_bytes(self) -> int:
         """Bytes this rank holds in parameter shards and sharded gradients."""
@@ -247,7 +240,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def ensure_idle(self, what: str) -> None:
         """For code that reads or writes shards outside the step (checkpointing): see ``Schedule.ensure_idle``."""
-        self._schedule.ensure_idle(what)
+        self.schedule.ensure_idle(what)
 
     def extra_repr(self) -> str:
         g = self.shard_group
@@ -270,7 +263,7 @@ def wants_offload(cpu_offload: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- ownership
-def _assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict[int, list], Dict[int, nn.Module]]:
+def assign_owners(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict[int, list], Dict[int, nn.Module]]:
     """Each unit's flat-parameter groups (params, fqns, users), one per (dtype, requires_grad), and each module's
     innermost unit module.  A parameter belongs to its module's innermost unit; one registered by modules of
     several units (tied weights) to their lowest common ancestor unit."""

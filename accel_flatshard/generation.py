@@ -6,13 +6,13 @@ token.  The alternatives:
 * A *generation session* around the unwrapped model's ``generate()`` (:func:`generate_in_session`, set at wrap
   time): the planned units are gathered once and kept (``Schedule.keep``, compute dtype) to the end of the call,
   the others gathered per step; when all are kept the session summons them (no hook work per step).
-  ``FLATSHARD_GENERATION_MODE``: ``budget`` (default) keeps units while the gathered bytes held at any moment stay
-  within ``FLATSHARD_GENERATION_BUDGET_MB`` (``auto``: half the memory free when generate() starts; warned once
-  when not all fit); ``full`` keeps every unit (DeepSpeed's ``ds3_gather_for_generation``); ``per_unit`` is the
-  training schedule.
+  ``generation_mode`` (``FLATSHARD_GENERATION_MODE``): ``budget`` (default) keeps units while the gathered bytes
+  held at any moment stay within ``generation_budget_mb`` (``auto``: half the memory free when generate() starts;
+  warned once when not all fit); ``full`` keeps every unit (DeepSpeed's ``ds3_gather_for_generation``);
+  ``per_unit`` is the training schedule.
 * TRL's seam (:func:`trl_summon_full_params`, ``patches.py``): ``summon_full_params(model_wrapped, recurse=False)``
   is a summon without writeback when the whole model (master dtype) fits the budget, else the session.
-* Frozen models (``FLATSHARD_KEEP_FROZEN_GATHERED``, off by default): no-grad forwards (a DPO/KTO/GRPO
+* Frozen models (``keep_frozen_gathered``, off by default): no-grad forwards (a DPO/KTO/GRPO
   reference's log-probs) keep the planned units gathered for the next ones, until any optimizer step (TRL's
   ``sync_ref_model`` writes after it), a forward of that model with grad, or ``ensure_idle`` (checkpoint loads,
   summon: no stale buffer survives a write to the shards).
@@ -20,51 +20,28 @@ token.  The alternatives:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import os
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
 
-from . import options, patches
+from . import device, patches
+from .options import FlatShardOptions
 from .schedule import Schedule
 from .state_dict.model import find_wrapper
 from .unit import ShardedState, Unit
 
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    mode: str = "budget"
-    budget_bytes: Optional[int] = None  # None: half the free memory when generation starts
-    keep_frozen_gathered: bool = False
-
-
-def generation_options_from_env() -> GenerationOptions:
-    """The generation options of the ``FLATSHARD_GENERATION_*`` variables (declared in options.py)."""
-    return GenerationOptions(options.get("FLATSHARD_GENERATION_MODE"), options.get("FLATSHARD_GENERATION_BUDGET_MB"),
-                             options.get("FLATSHARD_KEEP_FROZEN_GATHERED"))
+_GENERATION_FIELDS = ("generation_mode", "generation_budget_mb", "keep_frozen_gathered")
 
 
 # ---------------------------------------------------------------------- planning
 def unit_bytes(unit: Unit, master: bool = False) -> int:
     """Bytes of ``unit`` gathered: compute dtype (per-unit / session) or master dtype (summon)."""
     return sum(f.layout.padded_numel * (f.dtype if master else f.compute_dtype).itemsize for f in unit.flat_params)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """On CUDA the device's free memory plus what the caching allocator holds unused; else MemAvailable."""
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(torch.cuda.mem_get_info(device)[0]) + cached
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def peak_held_bytes(units: List[Unit], kept: List[Unit], forward_prefetch: bool, master: bool = False) -> int:
@@ -87,11 +64,12 @@ def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, mast
 
 
 class GenerationControl:
-    """Per wrapped model: options, the warnings said once, the units kept gathered now."""
+    """Per wrapped model: its options (the generation fields of its ``FlatShardOptions``), the warnings said once,
+    the units kept gathered now."""
 
-    def __init__(self, wrapper: nn.Module, options: GenerationOptions) -> None:
+    def __init__(self, wrapper: nn.Module, options: FlatShardOptions) -> None:
         self._wrapper = weakref.ref(wrapper)
-        self.schedule: Schedule = wrapper._schedule  # (it holds no reference to the wrapper)
+        self.schedule: Schedule = wrapper.schedule  # (it holds no reference to the wrapper)
         self.options = options
         self.active = False
         self._said: set = set()
@@ -106,18 +84,17 @@ class GenerationControl:
 
     def budget(self) -> int:
         """Collective: the smallest of the ranks' budgets (different plans would issue different gathers: a hang)."""
-        mine = self.options.budget_bytes
-        if mine is None:
-            mine = free_memory_bytes(self.schedule.device) // 2
+        mib = self.options.generation_budget_mb
+        mine = device.free_bytes(self.schedule.device) // 2 if mib is None else int(mib * 2**20)
         agreed = torch.tensor(mine, dtype=torch.int64, device=self.schedule.device)
         return int(self.wrapper.shard_group.all_reduce(agreed, torch.distributed.ReduceOp.MIN, over_world=True).item())
 
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""
         units = self.schedule.units
-        prefetch = bool(self.schedule.forward_prefetch)
+        prefetch = bool(self.schedule.options.forward_prefetch)
         total = sum(unit_bytes(u, master) for u in units)
-        mode = self.options.mode
+        mode = self.options.generation_mode
         if mode == "full":
             return list(units)
         budget = self.budget()
@@ -182,6 +159,9 @@ def _mib(n: int) -> str:
 
 
 _CONTROL_ATTR = "_flatshard_generation"
+# Process-wide on purpose: release_frozen_units is torch's process-wide step hook, and a step of one model's optimizer
+# must release every frozen model's kept units (TRL's sync_ref_model writes the reference's shards after the policy's
+# step).  Weak: a dropped model leaves nothing; each control is otherwise its own model's object.
 _CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
 
 
@@ -192,24 +172,21 @@ def control_of(model: nn.Module) -> GenerationControl:
         wrapper = find_wrapper(model)
         if wrapper is None:
             raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
-        control = GenerationControl(wrapper, generation_options_from_env())
+        control = GenerationControl(wrapper, wrapper.schedule.options)
         wrapper.__dict__[_CONTROL_ATTR] = wrapper.module.__dict__[_CONTROL_ATTR] = control
         control.sync_frozen_hook()
         _CONTROLS.add(control)
     return control
 
 
-def set_generation_options(model: nn.Module, **changes: Any) -> GenerationOptions:
-    """Change a wrapped model's generation options (``mode``, ``budget_bytes``, ``keep_frozen_gathered``)."""
+def set_generation_options(model: nn.Module, **changes: Any) -> FlatShardOptions:
+    """Change a wrapped model's generation options (``generation_mode``, ``generation_budget_mb``,
+    ``keep_frozen_gathered``); returns its options."""
     control = control_of(model)
-    fields = dict(control.options.__dict__)
-    unknown = set(changes) - set(fields)
+    unknown = set(changes) - set(_GENERATION_FIELDS)
     if unknown:
-        raise TypeError(f"unknown generation options {sorted(unknown)}; known: {sorted(fields)}")
-    fields.update(changes)
-    if fields["mode"] not in options.GENERATION_MODES:
-        raise ValueError(f"mode {fields['mode']!r}: expected one of {', '.join(options.GENERATION_MODES)}")
-    control.options = GenerationOptions(**fields)
+        raise TypeError(f"unknown generation options {sorted(unknown)}; known: {list(_GENERATION_FIELDS)}")
+    control.options = dataclasses.replace(control.options, **changes)  # (invalid values raise there)
     control._said.clear()
     control.sync_frozen_hook()
     return control.options
@@ -269,7 +246,7 @@ def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: 
     model in master dtype fits the generation budget (or mode ``full``), else the generation session
     (``recurse``, torch's nesting flag, does not apply: units are not nested instances)."""
     control = control_of(wrapper)
-    kept = [] if control.options.mode == "per_unit" else control.plan(master=True)
+    kept = [] if control.options.generation_mode == "per_unit" else control.plan(master=True)
     everything = len(kept) == len(control.schedule.units)  # (mode full: plan() keeps every unit)
     with control.schedule.summon(writeback=False) if everything else control.session():
         yield

@@ -83,6 +83,9 @@ class HostOffload:
 
 
 # ---------------------------------------------------------------------- the host optimizer step
+# Process-wide on purpose: wait_for_copies_before_step is torch's process-wide step hook, and any optimizer's step
+# may write another model's host shards (TRL's sync_ref_model after the policy's step).  Weak: a dropped model leaves
+# nothing.
 _LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
 
 

@@ -1,20 +1,31 @@
-"""Every ``FLATSHARD_*`` environment variable: declared once here, read and validated only here.
+"""Every setting, under one name from the yaml key or ``FLATSHARD_*`` variable to the code that reads it.
 
-:data:`OPTIONS` declares each (name, type, default, doc, parser); :func:`get` returns its parsed value
-(``options.get("FLATSHARD_TIMEOUT_S")``: 1800.0 unless set); :func:`check_environment`, called by the wrapper
-and the ``Accelerator``, rejects unknown ``FLATSHARD_*`` names and bad values, so a misspelt option fails
-loudly.  :func:`markdown_table` renders the README's option table; :func:`env_flag` parses boolean variables,
-accelerate's own too (``ACCELERATE_USE_FSDP``, ...), which are read where used.
+:class:`FlatShardOptions` is the one frozen options object of a wrapped model: ``ShardGroup``, ``Engine``,
+``Schedule``, the wrapper, the Accelerator, the generation control, the planner and the tests' simulator read their
+settings from it, each under its field's name.  A field's metadata names its accelerate ``fsdp_config`` key and its
+``FLATSHARD_*`` variable (:func:`setting_sources`); a variable's value is the field's default in
+:meth:`FlatShardOptions.from_environment` (what the plain wrapper uses), an explicit argument or yaml key wins.  So a
+new option is a field here, the line that reads it, and its test.
+
+:data:`OPTIONS` declares each ``FLATSHARD_*`` variable (name, type, default, doc, parser, and the field it sets, if
+any; four configure the process or the Accelerator, not a model).  :func:`get` returns one parsed value;
+:func:`check_environment`, called by the wrapper and the ``Accelerator``, rejects unknown ``FLATSHARD_*`` names and
+bad values, so a misspelt option fails loudly.  :func:`markdown_table` renders the README's variable table;
+:func:`env_flag` parses boolean variables, accelerate's own too (``ACCELERATE_USE_FSDP``, ...), which are read where
+used.  The enum
+:class:`BackwardPrefetch` and accelerate's wrap-policy fields live here so that the object has no upward import.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["DTYPES", "GENERATION_MODES", "OPTIONS", "Option", "check_environment", "env_flag", "get", "markdown_table"]
+from .mixed_precision import MixedPrecision
 
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "y", "on"), True),
           **dict.fromkeys(("0", "false", "no", "n", "off"), False)}
@@ -22,6 +33,117 @@ _BOOLS = {**dict.fromkeys(("1", "true", "yes", "y", "on"), True),
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 GENERATION_MODES = ("budget", "full", "per_unit")
+
+
+class BackwardPrefetch(enum.Enum):
+    """When to start gathering the unit that runs next in backward."""
+
+    BACKWARD_PRE = enum.auto()  # when the current unit's backward starts (most overlap, one more unit in memory)
+    BACKWARD_POST = enum.auto()  # when the current unit's gradients are complete (less memory, less overlap)
+
+
+def _setting(default: Any, doc: str, yaml: Optional[str] = None, env: Optional[str] = None) -> Any:
+    """A field of :class:`FlatShardOptions` with where it comes from (``yaml``: its ``fsdp_config`` key or what
+    accelerate sets it from; ``env``: its variable)."""
+    return field(default=default, metadata={"doc": doc, "yaml": yaml, "env": env})
+
+
+@dataclass(frozen=True)
+class FlatShardOptions:
+    """How one model is sharded and scheduled.  ``FullyShardedDataParallel(model, **fields)`` or ``(model,
+    options=FlatShardOptions(...))``; under Accelerate, ``options_from_plugin`` builds it from the yaml.  Example::
+
+        opts = FlatShardOptions(limit_all_gathers=1, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        FullyShardedDataParallel(model, options=dataclasses.replace(opts, forward_prefetch=False))
+    """
+
+    # ---- the step (wrapper, schedule, engine)
+    reshard_after_forward: bool = _setting(
+        True, "free gathered parameters after each unit's forward (ZeRO-3); False keeps them until backward",
+        yaml="fsdp_sharding_strategy (FULL_SHARD / SHARD_GRAD_OP; fsdp_version 2: fsdp_reshard_after_forward)")
+    group_size: Optional[int] = _setting(
+        None, "ranks per shard group: hybrid sharding, gradients all-reduced across groups (None: every rank)",
+        yaml="fsdp_sharding_strategy HYBRID_SHARD (LOCAL_WORLD_SIZE), parallelism_config_dp_shard_size",
+        env="FLATSHARD_GROUP_SIZE")
+    backward_prefetch: Optional[BackwardPrefetch] = _setting(
+        BackwardPrefetch.BACKWARD_PRE, "when the unit next in backward starts gathering (None: not early)",
+        yaml="fsdp_backward_prefetch")
+    forward_prefetch: bool = _setting(True, "gather the next unit while the current one runs forward",
+                                      yaml="fsdp_forward_prefetch")
+    limit_all_gathers: int = _setting(
+        2, "most all-gathers in flight per model (CUDA: also freed gathered buffers the GPU still reads)",
+        env="FLATSHARD_LIMIT_ALL_GATHERS")
+    offload_params: bool = _setting(False, "shards, sharded gradients and optimizer state in host memory",
+                                    yaml="fsdp_offload_params")
+    mixed_precision: Optional[MixedPrecision] = _setting(
+        None, "dtypes of gathered parameters, of the gradient reduction and of buffers",
+        yaml="mixed_precision (top level)", env="FLATSHARD_REDUCE_DTYPE")
+    sync_module_states: bool = _setting(True, "broadcast rank 0's parameters and buffers at wrap time",
+                                        yaml="fsdp_sync_module_states")
+    # ---- the collectives (ShardGroup)
+    gloo_p2p: Optional[bool] = _setting(
+        None, "all-gather / reduce-scatter as batched isend/irecv into the buffers (None: on with gloo)",
+        env="FLATSHARD_GLOO_P2P")
+    reduce_scatter_via_all_reduce: bool = _setting(
+        False, "without p2p: reduce gradients by all-reduce + slice", env="FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
+    timeout_s: float = _setting(1800.0, "timeout of the process groups accel_flatshard creates (hybrid)",
+                                env="FLATSHARD_TIMEOUT_S")
+    # ---- generation and frozen models (generation.py)
+    generation_mode: str = _setting("budget", "units kept gathered during generate()",
+                                    env="FLATSHARD_GENERATION_MODE")
+    generation_budget_mb: Optional[float] = _setting(
+        None, "MiB of gathered units one generate() may keep (None: half the free memory)",
+        env="FLATSHARD_GENERATION_BUDGET_MB")
+    keep_frozen_gathered: bool = _setting(False, "no-grad forwards keep units gathered until the next step",
+                                          env="FLATSHARD_KEEP_FROZEN_GATHERED")
+    # ---- what the Accelerator does with a model (integrations/)
+    auto_wrap: str = _setting("none", "units: 'transformer' (per block), 'size', 'custom' or 'none'",
+                              yaml="fsdp_auto_wrap_policy")
+    layer_cls_names: Optional[Tuple[str, ...]] = _setting(
+        None, "transformer: the block classes (None: the model's _no_split_modules)",
+        yaml="fsdp_transformer_layer_cls_to_wrap")
+    min_num_params: int = _setting(0, "size: parameters per unit", yaml="fsdp_min_num_params")
+    custom_policy: Optional[Callable] = _setting(None, "custom: a torch-signature policy",
+                                                 yaml="fsdp_auto_wrap_policy (a callable in the plugin)")
+    activation_checkpointing: bool = _setting(False, "checkpoint every inner unit",
+                                              yaml="fsdp_activation_checkpointing")
+    state_dict_type: str = _setting("FULL_STATE_DICT", "what save_state writes", yaml="fsdp_state_dict_type")
+    cpu_ram_efficient_loading: bool = _setting(False, "ranks > 0 load empty weights, rank 0's are broadcast",
+                                               yaml="fsdp_cpu_ram_efficient_loading")
+
+    def __post_init__(self) -> None:
+        if self.layer_cls_names is not None:  # (a tuple: options are hashable, the planner keys its cache by them)
+            object.__setattr__(self, "layer_cls_names", tuple(self.layer_cls_names))
+        if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
+            raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {self.backward_prefetch!r}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise ValueError(f"group_size must be None or a positive integer, got {self.group_size!r}")
+        if not isinstance(self.limit_all_gathers, int) or self.limit_all_gathers < 1:
+            raise ValueError(f"limit_all_gathers must be a positive integer, got {self.limit_all_gathers!r}")
+        if self.generation_mode not in GENERATION_MODES:
+            raise ValueError(f"generation_mode {self.generation_mode!r}: expected one of {', '.join(GENERATION_MODES)}")
+
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None, **settings: Any) -> "FlatShardOptions":
+        """The options whose ``FLATSHARD_*`` variables are set take their values, ``settings`` override; a name that
+        is not a field raises ``TypeError`` listing the fields."""
+        unknown = sorted(set(settings) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"unknown accel_flatshard option(s) {unknown}; the options are: {', '.join(FIELDS)}")
+        values = {}
+        for option in OPTIONS.values():
+            value = get(option.name, environ)
+            if option.setting and option.setting not in settings and value is not None:
+                values[option.setting] = value
+        return cls(**{**values, **settings})
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(FlatShardOptions))
+
+
+def setting_sources() -> Dict[str, Dict[str, Optional[str]]]:
+    """``{field: {"yaml": ..., "env": ...}}`` for every field of :class:`FlatShardOptions` (README, tests)."""
+    return {f.name: {key: f.metadata[key] for key in ("yaml", "env")} for f in dataclasses.fields(FlatShardOptions)}
 
 
 def env_flag(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -56,24 +178,26 @@ class Option:
     default_text: str  # the default as the README shows it
     doc: str
     parse: Callable[[str], Any]
+    setting: Optional[str] = None  # the FlatShardOptions field it sets (None: a process-wide switch)
 
 
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("FLATSHARD_GROUP_SIZE", "int > 0", None, "processes per node (`LOCAL_WORLD_SIZE`)",
-           "Accelerator: ranks per shard group under `fsdp_sharding_strategy` HYBRID_SHARD / _HYBRID_SHARD_ZERO2 "
-           "(an error with any other strategy); with an accelerate `parallelism_config`, whose `dp_shard_size` "
-           "sets the groups, it may only repeat that size", _positive_int),
+           "ranks per shard group (`group_size`); under Accelerate with `fsdp_sharding_strategy` HYBRID_SHARD / "
+           "_HYBRID_SHARD_ZERO2 only (an error with any other strategy); with an accelerate `parallelism_config`, "
+           "whose `dp_shard_size` sets the groups, it may only repeat that size", _positive_int, "group_size"),
     Option("FLATSHARD_LIMIT_ALL_GATHERS", "int > 0", None, "2",
-           "Accelerator: most all-gathers in flight per model (the wrapper's `limit_all_gathers`)", _positive_int),
+           "most all-gathers in flight per model (`limit_all_gathers`)", _positive_int, "limit_all_gathers"),
     Option("FLATSHARD_REDUCE_DTYPE", "fp32 | bf16 | fp16", None, "the mixed-precision dtype",
-           "Accelerator: dtype of the gradient reduction under mixed precision (no effect without it)",
-           _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16")),
+           "Accelerator: dtype of the gradient reduction under mixed precision (`mixed_precision.reduce_dtype`; no "
+           "effect without it)", _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16")),
     Option("FLATSHARD_GLOO_P2P", "bool", None, "1 on gloo, else 0", "all-gather and reduce-scatter as batched "
-           "isend/irecv straight into / out of the buffers (faster than gloo's collectives, see Speed)", _bool),
+           "isend/irecv straight into / out of the buffers (faster than gloo's collectives, see Speed)", _bool,
+           "gloo_p2p"),
     Option("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "bool", False, "0", "with `FLATSHARD_GLOO_P2P=0` (or nccl): "
-           "reduce gradients by all-reduce + slice instead of reduce-scatter", _bool),
+           "reduce gradients by all-reduce + slice instead of reduce-scatter", _bool, "reduce_scatter_via_all_reduce"),
     Option("FLATSHARD_TIMEOUT_S", "float > 0", 1800.0, "1800", "timeout in seconds of the shard / replica process "
-           "groups accel_flatshard creates (hybrid sharding)", _positive_float),
+           "groups accel_flatshard creates (hybrid sharding)", _positive_float, "timeout_s"),
     Option("FLATSHARD_STATE_DICT_TIMEOUT_S", "float > 0", 5.0, "5", "seconds rank 0 waits for the other ranks when "
            "the unwrapped model's `state_dict()` (collective) gathers, before failing", _positive_float),
     Option("FLATSHARD_PROFILE", "directory | bool", None, "off",  # None: off, "": the table only, else a directory
@@ -86,17 +210,19 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "units kept gathered during `generate()`: `budget` keeps as many as `FLATSHARD_GENERATION_BUDGET_MB` "
            "allows (the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per "
            "token, warned once)", _parser(lambda text: text.lower().replace("-", "_"), "expected one of "
-                                          + ", ".join(GENERATION_MODES), GENERATION_MODES.__contains__)),
+                                          + ", ".join(GENERATION_MODES), GENERATION_MODES.__contains__),
+           "generation_mode"),
     Option("FLATSHARD_GENERATION_BUDGET_MB", "auto | MiB >= 0", None, "auto",
-           "gathered bytes one `generate()` may hold per rank; `auto`: half the free device memory when it "
-           "starts", _parser(lambda text: None if text.lower() == "auto" else int(float(text) * 2**20),
-                             "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0)),
+           "gathered MiB one `generate()` may hold per rank; `auto`: half the free device memory when it "
+           "starts", _parser(lambda text: None if text.lower() == "auto" else float(text),
+                             "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0),
+           "generation_budget_mb"),
     Option("FLATSHARD_ASYNC_SAVE", "bool", False, "0",
            "`save_state` (Accelerator, Trainer) returns once the model and optimizer state is copied to host memory "
            "and writes the files in the background (README Checkpoints); `save_state(..., async_save=...)` "
            "overrides it", _bool),
     Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", "no-grad forwards of a model (e.g. a frozen "
-           "reference model) keep its units gathered until the next optimizer step", _bool),
+           "reference model) keep its units gathered until the next optimizer step", _bool, "keep_frozen_gathered"),
 )}
 
 

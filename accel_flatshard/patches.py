@@ -18,7 +18,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
-__all__ = ["Patch", "PATCHES", "SCOPES", "install", "uninstall", "markdown_table"]
 
 logger = logging.getLogger(__name__)
 

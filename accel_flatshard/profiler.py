@@ -24,8 +24,6 @@ from torch.autograd.profiler import record_function
 from . import options
 from ._compat import profiler_enabled
 
-__all__ = ["PHASE_ROWS", "begin_span", "end_span", "phase_table", "span", "start_from_env", "step_phases",
-           "stop_env_profiler"]
 
 _NULL_CONTEXT = contextlib.nullcontext()
 

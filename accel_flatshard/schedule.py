@@ -19,25 +19,21 @@ import torch.nn as nn
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback, tensors_in
 from .engine import Engine
 from .flat_param import FlatParameter, gather_full
-from .mixed_precision import MixedPrecision
+from .options import BackwardPrefetch, FlatShardOptions
 from .outside_reads import enable_outside_reads
 from .profiler import begin_span, end_span
-from .unit import BackwardPrefetch, Unit, UnitState
+from .unit import Unit, UnitState
 
-
-# Schedules whose backward has started but not finished; optimizer steps must not see their gradients yet.
-_IN_BACKWARD: "weakref.WeakSet[Schedule]" = weakref.WeakSet()
+_SCHEDULE_ATTR = "_flatshard_schedule"  # on each original parameter: a weak reference to its model's Schedule
 
 
 class Schedule:
-    """The step of one wrapped model: the hooks of its units and what spans units (order, prefetch, backward)."""
+    """The step of one wrapped model: the hooks of its units and what spans units (order, prefetch, backward).  Its
+    ``options``: ``backward_prefetch``, ``forward_prefetch``, ``mixed_precision`` (the root's input cast)."""
 
-    def __init__(self, engine: Engine, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool,
-                 mixed_precision: Optional[MixedPrecision]) -> None:
+    def __init__(self, engine: Engine, options: FlatShardOptions) -> None:
         self.engine = engine
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.mixed_precision = mixed_precision
+        self.options = options
         self.units: List[Unit] = []
         self.sync_grads = True
         self.in_forward = False
@@ -54,6 +50,10 @@ class Schedule:
         self._backward_span: Any = None
 
     def add_unit(self, unit: Unit) -> None:
+        me = weakref.ref(self)  # (held by parameters: no cycle that keeps a dropped model alive)
+        for flat in unit.flat_params:
+            for p in flat.params:
+                setattr(p, _SCHEDULE_ATTR, me)  # refuse_step_during_backward finds the schedule of a stepped param
         pre_forward = functools.partial(self._pre_forward, unit)
         unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -112,7 +112,7 @@ class Schedule:
         self.in_forward = True
         self._current_order, self._order_ok = {}, True
         args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
-        mp = self.mixed_precision
+        mp = self.options.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
             cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
@@ -136,7 +136,7 @@ class Schedule:
                     f"off for this step and follows the new order afterwards.\n  recorded: "
                     f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
                     stacklevel=4)
-        if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
+        if self.options.forward_prefetch and self._order_ok and index + 1 < len(recorded):
             recorded[index + 1].unshard()
 
     @torch.compiler.disable
@@ -213,7 +213,6 @@ class Schedule:
         if not self.in_backward:
             self.in_backward = True
             self._backward_span = begin_span("backward")
-            _IN_BACKWARD.add(self)
             queue_end_of_backward_callback(self._end_backward)
             for unit in self._needed_by_backward:  # tensors saved from outside reads must find their data
                 unit.unshard()
@@ -234,7 +233,7 @@ class Schedule:
             # autograd-tracked views, so build them with grad mode on (hooks run with it off).
             with torch.enable_grad():
                 unit.gather(new_views=True)
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_before(unit)
 
     def _post_backward_hook(self, unit: Unit, index: int):
@@ -273,7 +272,7 @@ class Schedule:
         unit.uninstall_views()
         unit.reshard()
         unit.state = UnitState.BACKWARD_DONE
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_before(unit)
 
     def _prefetch_before(self, unit: Unit) -> None:
@@ -297,7 +296,6 @@ class Schedule:
             unit.state = UnitState.IDLE
         self._needed_by_backward = []
         self.in_backward = False
-        _IN_BACKWARD.discard(self)
         end_span(self._backward_span)
         self._backward_span = None
 
@@ -386,14 +384,17 @@ class Schedule:
 
 def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step pre-hook (an entry of ``patches.py``): no step on gradients of an unfinished backward."""
-    if not _IN_BACKWARD:
-        return
-    busy = {id(schedule.engine.group) for schedule in _IN_BACKWARD}
-    if any(id(getattr(p, "_flatshard_group", None)) in busy for g in optimizer.param_groups for p in g["params"]):
-        if inside_backward_pass():
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, _SCHEDULE_ATTR, None)
+            schedule = ref() if ref is not None else None
+            if schedule is None or not schedule.in_backward:
+                continue
+            if inside_backward_pass():
+                raise RuntimeError(
+                    "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
+                    "gradients are reduced only when that backward finishes. Call step() after loss.backward() "
+                    "returns.")
             raise RuntimeError(
-                "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
-                "gradients are reduced only when that backward finishes. Call step() after loss.backward() returns.")
-        raise RuntimeError(
-            "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
-            "unreduced. Run forward and backward again before stepping.")
+                "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
+                "unreduced. Run forward and backward again before stepping.")

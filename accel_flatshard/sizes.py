@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from typing import Union
 
-__all__ = ["parse_size"]
 
 
 def parse_size(size: Union[int, str], name: str = "size") -> int:

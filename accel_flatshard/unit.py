@@ -18,13 +18,6 @@ from .flat_param import FlatParameter
 from .wrap import backward_reads_parameters
 
 
-class BackwardPrefetch(enum.Enum):
-    """When to start gathering the unit that runs next in backward."""
-
-    BACKWARD_PRE = enum.auto()  # when the current unit's backward starts (most overlap, one more unit in memory)
-    BACKWARD_POST = enum.auto()  # when the current unit's gradients are complete (less memory, less overlap)
-
-
 class UnitState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()  # its forward runs: gathered, the module's attributes are views of the gathered buffers
@@ -81,14 +74,12 @@ class Unit:
     def unshard(self) -> None:
         """Start gathering (nothing to do once gathering or gathered)."""
         if self.sharded_state is ShardedState.SHARDED:
-            for flat in self.flat_params:
-                self.engine.unshard(flat, self.name)
+            self.engine.unshard(self.flat_params, self.name)
             self.sharded_state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
         if self.sharded_state is ShardedState.GATHERING:
-            for flat in self.flat_params:
-                self.engine.wait_unshard(flat)
+            self.engine.wait_unshard(self.flat_params)
             self.sharded_state = ShardedState.GATHERED
         elif self.sharded_state is ShardedState.SHARDED:
             raise self.error("wait_unshard", "no all-gather was issued")
@@ -96,8 +87,7 @@ class Unit:
     def reshard(self) -> None:
         """Free the gathered buffers (a kept unit stays)."""
         if self.sharded_state is ShardedState.GATHERED:
-            for flat in self.flat_params:
-                self.engine.reshard(flat)
+            self.engine.reshard(self.flat_params)
             self.sharded_state = ShardedState.SHARDED
         elif self.sharded_state is ShardedState.GATHERING:
             raise self.error("reshard", "its all-gather is in flight (wait_unshard first, or release)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from typing import Callable, Iterable, List, Optional, Sequence, Set, Type, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Type, Union
 
 import torch.nn as nn
 
@@ -128,6 +128,16 @@ def backward_reads_parameters(module: nn.Module) -> bool:
     ``max_norm`` or sparse gradients)."""
     return not (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
                 and module.max_norm is None and not module.sparse)
+
+
+def policy_of(options: Any, model: nn.Module) -> Optional[Policy]:
+    """The auto-wrap policy a ``FlatShardOptions`` asks for (``auto_wrap``: "transformer", "size", "custom" or
+    "none"); an unknown layer class raises ``ValueError`` naming the classes present."""
+    if options.auto_wrap == "transformer":
+        return transformer_auto_wrap_policy(model, options.layer_cls_names)
+    if options.auto_wrap == "size":
+        return size_based_auto_wrap_policy(options.min_num_params) if options.min_num_params > 0 else None
+    return options.custom_policy if options.auto_wrap == "custom" else None
 
 
 def size_based_auto_wrap_policy(min_num_params: int = int(1e8)) -> Policy:

@@ -75,8 +75,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
     g = torch.Generator().manual_seed(rank)
     prompts = torch.randint(3, 4000, (2, 16), generator=g)
     kw = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    options = {"full": dict(mode="full"), "budget50": dict(mode="budget", budget_bytes=total // 2),
-               "per_unit": dict(mode="per_unit"), "summon": dict(mode="budget", budget_bytes=None)}
+    options = {"full": dict(generation_mode="full"), "budget50": dict(generation_mode="budget", generation_budget_mb=total // 2 / 2**20),
+               "per_unit": dict(generation_mode="per_unit"), "summon": dict(generation_mode="budget", generation_budget_mb=None)}
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-5)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-5)
 

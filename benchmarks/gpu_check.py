@@ -57,6 +57,7 @@ from accel_flatshard import (  # noqa: E402
     MixedPrecision,
     transformer_auto_wrap_policy,
 )
+from accel_flatshard.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
 
 
 def small_model(family: str, seed: int = 0, layers: int = 3, hidden: int = 128, vocab: int = 1024,
@@ -249,16 +250,16 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
           f"{_mib(max(unit_bytes))}: {_verdict(good, cuda)} (whole model: {_mib(n_params * 4)})", flush=True)
 
     # 2. training steps
-    engine = wrapped._schedule.engine
+    engine = wrapped.schedule.engine
     root_bytes = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
     layer_bytes = max(b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root)
     # The bound, term by term: fp32 shards, their gradients and AdamW's two states (4 x shards, all resident);
-    # the root unit (gathered for the whole step) and at most max_inflight + 1 layers gathered at once (the
-    # gather limit, plus the one being waited for); at most max_pending_reductions + 1 full gradients of the
+    # the root unit (gathered for the whole step) and at most limit_all_gathers + 1 layers gathered at once (the
+    # gather limit, plus the one being waited for); at most MAX_PENDING_REDUCTIONS + 1 full gradients of the
     # largest unit (the pending ones, plus the one being produced); and what the plain model needs above its
     # parameters with its gradients dropped as produced (activations + backward transients, measured).
-    bound = (4 * shard_bytes + root_bytes + (engine.max_inflight + 1) * layer_bytes
-             + (engine.max_pending_reductions + 1) * max(unit_bytes) + activations)
+    bound = (4 * shard_bytes + root_bytes + (engine.options.limit_all_gathers + 1) * layer_bytes
+             + (MAX_PENDING_REDUCTIONS + 1) * max(unit_bytes) + activations)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=False)
     base = peak_reset()
 
@@ -275,8 +276,8 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     good = ours <= bound  # (CPU: the step after the first, MemTracker; checked too)
     ok &= good
     print(f"  ours : peak max_memory_allocated {_mib(ours)} <= bound {_mib(bound)} (shards+Adam {_mib(4 * shard_bytes)}, "
-          f"root {_mib(root_bytes)}, {engine.max_inflight + 1} x layer {_mib(layer_bytes)}, "
-          f"{engine.max_pending_reductions + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
+          f"root {_mib(root_bytes)}, {engine.options.limit_all_gathers + 1} x layer {_mib(layer_bytes)}, "
+          f"{MAX_PENDING_REDUCTIONS + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
           f"{'PASS' if good else 'FAIL'}{'' if cuda else ' (CPU: MemTracker)'}; {ours_s * 1e3:.0f} ms/step", flush=True)
     del wrapped, opt, host_model, engine
 

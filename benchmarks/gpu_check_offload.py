@@ -41,6 +41,7 @@ from gpu_check_slow import MODES, lag, slow_gpu  # noqa: E402
 from offload_adamw import run as adamw_run  # noqa: E402
 
 from accel_flatshard import CPUOffload, MixedPrecision  # noqa: E402
+from accel_flatshard.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
 
 OFFLOAD = CPUOffload(offload_params=True)
 
@@ -59,7 +60,7 @@ def device_bound(wrapped, activations: int) -> dict:
     """What the device may hold at most while an offloaded model trains (nothing persistent), term by term:
     * gathered: the root (gathered for the whole step) and ``max_inflight + 1`` layers (the gather limit,
       plus the one being waited for);
-    * full grads: ``max_pending_reductions + 1`` full gradients of the largest unit (the pending ones, plus
+    * full grads: ``MAX_PENDING_REDUCTIONS + 1`` full gradients of the largest unit (the pending ones, plus
       the one being produced);
     * shard copies: for each of those gathers and reductions a device copy of its shard, fp32 plus the compute
       dtype (the host shard's upload and its cast; the reduced shard and its cast before the copy to the host);
@@ -67,15 +68,15 @@ def device_bound(wrapped, activations: int) -> dict:
       produced (``gpu_check.activations_without_grads``: activations + backward transients; not "peak minus
       all gradients", which is ~2 GB too small on the 1.1 B Llama: at the head's backward, the peak, almost no
       gradient exists yet)."""
-    engine = wrapped._schedule.engine
+    engine = wrapped.schedule.engine
     unit_bytes = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in wrapped.units]
     shard_bytes = [sum(f.layout.shard_numel * 4 * 2 for f in u.flat_params) for u in wrapped.units]
     root = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
     layer = max([b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root] or [0])
     parts = {
-        "gathered": root + (engine.max_inflight + 1) * layer,
-        "full grads": (engine.max_pending_reductions + 1) * max(unit_bytes),
-        "shard copies": (engine.max_inflight + engine.max_pending_reductions + 2) * max(shard_bytes),
+        "gathered": root + (engine.options.limit_all_gathers + 1) * layer,
+        "full grads": (MAX_PENDING_REDUCTIONS + 1) * max(unit_bytes),
+        "shard copies": (engine.options.limit_all_gathers + MAX_PENDING_REDUCTIONS + 2) * max(shard_bytes),
         "activations": activations,
     }
     parts["total"] = sum(parts.values())

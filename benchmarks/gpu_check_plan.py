@@ -73,7 +73,7 @@ def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, bat
             from torch.distributed._tools.mem_tracker import MemTracker
 
             tracker = MemTracker()
-            offload = wrapped._schedule.engine.offload
+            offload = wrapped.schedule.engine.offload
             tracker.track_external(wrapped, optimizer, *[f.unsharded for f in wrapped.flat_params], *batch.values(),
                                    *(offload.host_buffers if offload else []))
         with tracker if tracker is not None else torch.enable_grad():

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from accel_flatshard import engine as _engine
+from accel_flatshard import device as _device
 
 # ~2.5 ms at the H200's ~2 GHz: longer than any kernel of the small parity models, so work queued after the
 # sleep runs well after the host has moved on
@@ -56,7 +56,7 @@ def slow_gpu(device: torch.device, enabled: bool = True) -> Iterator[None]:
         yield
         return
     patched = []
-    for cls in (_engine.HostAdapter, _engine.CudaStreams):
+    for cls in (_device.HostAdapter, _device.CudaStreams):
         original = cls.__dict__.get("collective")
         if original is None:
             continue

@@ -96,8 +96,10 @@ from accel_flatshard.comm import _Works  # noqa: E402
 
 def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:
     """Engine: at most ``max_inflight`` full gradients awaiting reduction (the engine now bounds them on
-    every device; this only sets the bound)."""
-    wrapped._schedule.engine.max_pending_reductions = max(1, max_inflight)
+    every device; this only sets the bound, process-wide: ``engine.MAX_PENDING_REDUCTIONS``)."""
+    from accel_flatshard import engine
+
+    engine.MAX_PENDING_REDUCTIONS = max(1, max_inflight)
 
 
 def patch_adopt_grad(wrapped) -> None:

@@ -20,10 +20,10 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision
-from accel_flatshard.integrations.config import FlatShardOptions
+from accel_flatshard.options import FlatShardOptions
 from accel_flatshard.plan import Config, Planner
-from accel_flatshard.unit import BackwardPrefetch
-from accel_flatshard.wrap import checkpoint_units
+from accel_flatshard.options import BackwardPrefetch
+from accel_flatshard.wrap import checkpoint_units, policy_of
 
 BATCH, SEQ = 4, 32
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -103,17 +103,10 @@ class Row:
     model: str
     world_size: int
     cfg: Config
-    mixed_precision: Optional[MixedPrecision] = None
     label: str = ""
 
     def options(self) -> FlatShardOptions:
-        c = self.cfg
-        prefetch = BackwardPrefetch[c.backward_prefetch] if c.backward_prefetch else None
-        return FlatShardOptions(
-            reshard_after_forward=c.reshard_after_forward, fsdp_group_size=c.shard_size if c.shard_size < self.world_size
-            else None, backward_prefetch=prefetch, forward_prefetch=c.forward_prefetch, wrap="transformer",
-            layer_cls_names=MODELS[self.model][1], activation_checkpointing=c.checkpointing,
-            mixed_precision=self.mixed_precision, limit_all_gathers=c.limit_all_gathers, offload_params=c.offload)
+        return self.cfg.options
 
     def planner(self, device: str = "cpu") -> Planner:
         def build() -> nn.Module:
@@ -126,9 +119,12 @@ def adamw(device: str) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:
     return lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=device == "cuda")
 
 
-def row(model: str, world_size: int, label: str = "", mixed_precision=None, **knobs: Any) -> Row:
-    defaults = dict(shard_size=world_size, micro_batch=BATCH)
-    return Row(model, world_size, Config(**{**defaults, **knobs}), mixed_precision, label)
+def row(model: str, world_size: int, label: str = "", mixed_precision=None, micro_batch: int = BATCH,
+        accumulation: str = "none", options: Optional[FlatShardOptions] = None, **settings: Any) -> Row:
+    """A planner row: the model's blocks as units, ``settings`` (FlatShardOptions fields) over ``options``."""
+    options = options or FlatShardOptions(auto_wrap="transformer", layer_cls_names=MODELS[model][1],
+                                          mixed_precision=mixed_precision)
+    return Row(model, world_size, Config(dataclasses.replace(options, **settings), micro_batch, accumulation), label)
 
 
 class SimulatedOOM(RuntimeError):
@@ -158,7 +154,7 @@ def wrap(r: Row) -> FullyShardedDataParallel:
     torch.manual_seed(0)
     model = MODELS[r.model][0]()
     opts = r.options()
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=opts.auto_wrap_policy(model), **opts.wrapper_kwargs())
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy_of(opts, model), options=opts)
     if opts.activation_checkpointing:
         checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
     return wrapped
@@ -174,7 +170,7 @@ def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None
     for step in range(steps):
         tracker = _LimitedTracker(limit) if step == steps - 1 and sim is None else None
         if tracker is not None:
-            engine = wrapped._schedule.engine
+            engine = wrapped.schedule.engine
             tensors = [f.unsharded for f in wrapped.flat_params] + (engine.offload.host_buffers if engine.offload else [])
             tracker.track_external(wrapped, optimizer, *tensors, *[t for c in chunks for t in _tensors(c)])
         if sim is not None:

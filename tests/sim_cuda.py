@@ -1,6 +1,6 @@
 """A CPU simulation of CUDA streams (tests only): checks the engine's CUDA schedule without a GPU.
 
-The engine's real CUDA code path (``accel_flatshard.engine.CudaStreams``) runs against
+The engine's real CUDA code path (``accel_flatshard.device.CudaStreams``) runs against
 :class:`SimulatedCuda`, which stands in for ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``,
 ``stream``).  Kernels and collectives really run (on CPU tensors, synchronously); what is simulated is
 their ordering on a GPU that is *infinitely slow* relative to the host: nothing is known complete until a
@@ -20,7 +20,7 @@ Model
   allocated) are all tracked, per storage.
 * Checks (``sim.violations``): a read on one stream of a storage whose last write on another stream does
   not happen-before it (read after write); a write that does not happen after the last reads and write on
-  other streams (write after read / write); a free (storage death, or the engine's ``note_free`` of a
+  other streams (write after read / write); a free (storage death, or the adapter's ``release`` of a
   resized storage) while a stream other than the allocating one may still use it, unless the allocating
   stream, the host or a stream registered with ``record_stream`` knows that use is done; ``record_stream``
   keeps the block reserved until the host has seen that stream pass the free (``peak`` counts such
@@ -29,7 +29,7 @@ Model
 * Per-stream pools: a block comes from its allocating stream's pool and may still be in use by that
   stream's earlier work, so another stream that uses a buffer first must be ordered after the allocation
   (an op's output is covered by the write check; a resize, e.g. the gathered buffer, by this one).
-* Labels: the engine's ``note_alloc(tensor, kind)`` names buffers ("unsharded", "full_grad"); ``peak[kind]``
+* Labels: the adapter's ``alloc_gathered`` and ``reduction_input`` name buffers ("unsharded", "full_grad"); ``peak[kind]``
   is the most buffers of a kind alive at once.  A violation names the tensor (a watched model's shard,
   gradient or gathered buffer: ``local_shard of model.layers.1[0]``; or ``sim.name(tensor, label)``), the
   streams (side streams by role: ``all_gather:side0``; ``host``) and the op (``aten::add_``).
@@ -76,8 +76,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from accel_flatshard._compat import map_tensors
-from accel_flatshard.engine import Engine
-from accel_flatshard.engine import CudaStreams
+from accel_flatshard.device import CudaStreams
 
 # c10d ops: indices of the arguments a collective writes (the others are read); unknown ones: all written
 _C10D_WRITES = {
@@ -181,7 +180,7 @@ class _Buffer:
     placement: str = "device"
     alloc_pos: int = 0  # the allocating stream's position: its pool's block may be in use by work up to there
     key: int = 0  # the storage's ``_cdata``
-    label: Optional[str] = None  # a name given by the test (``sim.name``) or at the engine's note_alloc
+    label: Optional[str] = None  # a name given by the test (``sim.name``) or by the adapter (alloc_gathered, reduction_input)
     pinned: bool = False
     write: Optional[tuple] = None  # (stream, pos) of the last write
     reads: Dict[SimStream, int] = field(default_factory=dict)  # since the last write
@@ -368,7 +367,7 @@ class SimulatedCuda(TorchDispatchMode):
         for ref in self._models:
             model = ref()
             for unit in model.units if model is not None else ():
-                offload = model._schedule.engine.offload
+                offload = model.schedule.engine.offload
                 staging = offload._staging if offload is not None else {}
                 for i, flat in enumerate(unit.flat_params):
                     named = [("local_shard", flat.local_shard), ("sharded_grad", flat.sharded_grad),
@@ -745,11 +744,20 @@ class SimCudaStreams(CudaStreams):
     def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(src, non_blocking=True)
 
-    def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
-        self.sim.alloc(tensor, kind, key)
+    # the gathered buffers (grown and resized to 0, not made by ops) and the full gradients are named for the simulator
+    def alloc_gathered(self, flat: Any) -> torch.Tensor:
+        out = super().alloc_gathered(flat)
+        self.sim.alloc(out, "unsharded", flat)
+        return out
 
-    def note_free(self, key: Any) -> None:
-        self.sim.free(key)
+    def release(self, flat: Any) -> None:
+        super().release(flat)
+        self.sim.free(flat)
+
+    def reduction_input(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        full = super().reduction_input(grad, dtype)
+        self.sim.alloc(full, "full_grad", None)
+        return full
 
 
 def sim_adapter(sim: SimulatedCuda) -> SimCudaStreams:
@@ -759,46 +767,25 @@ def sim_adapter(sim: SimulatedCuda) -> SimCudaStreams:
 
 def simulate_cuda(model: Any, device_index: int = 0, current_device: int = 0, group: Any = None,
                   sim: Optional[SimulatedCuda] = None) -> SimulatedCuda:
-    """Make a wrapped model's engine run the CUDA code path on the simulator (before its first step).
+    """Make a wrapped model's engine run the CUDA code path on the simulator (before its first step): the simulated
+    adapter is attached to the model's own engine (``Engine.attach``), which keeps every setting.
 
-    The engine is rebuilt with the same settings and the simulated adapter; a setting that would not carry
-    over (a new ``Engine`` argument this helper does not pass) is reported, not silently dropped.
     ``group``: a stand-in for the engine's shard group (e.g. ``test_sim_paths.IdenticalReplicas``: hybrid
     sharding in one process); ``sim``: a simulator that runs another model already (each model has its own streams, as
     on a GPU).  Run the model inside ``with sim:`` so that its ops are observed."""
     sim = sim or SimulatedCuda(device_index, current_device)
-    schedule = model._schedule
-    old = schedule.engine
-    if old._gathers or old._reduces or old._reduced:
-        raise RuntimeError("sim_cuda: attach the simulator before the first step")
+    engine = model.schedule.engine
     adapter = sim_adapter(sim)
     # the engine's device is the simulated one (what a GPU run has): what it makes there (the norm of
     # clip_grad_norm_) and copies to the host are crossings the simulator sees (_Crossings)
-    new = Engine(group or old.group, adapter.device, old.reduce_dtype, old.max_inflight,
-                 old.max_pending_reductions, streams=adapter, offload=old.offload is not None)
-    if old.offload is not None:
+    engine.device = adapter.device
+    engine.attach(adapter, group)
+    if engine.offload is not None:
         # CPU offload: the host buffers made at wrap time are the simulated host's pinned memory
-        new.offload, old.offload.streams = old.offload, adapter
-        for host in old.offload.host_buffers:  # only what offload.py allocated as host memory
+        for host in engine.offload.host_buffers:  # only what offload.py allocated as host memory
             sim.place(host, "host", pinned=True)
-    stream_attrs = {"device", "streams", "use_streams", "all_gather_stream", "reduce_scatter_stream", "replica_stream"}
-    if group is not None:
-        stream_attrs |= {"group", "predivide", "postdivide"}
-    differing = [k for k, v in vars(old).items()
-                 if k not in stream_attrs and k in vars(new) and _differs(v, vars(new)[k])]
-    if differing or set(vars(old)) != set(vars(new)):
-        raise RuntimeError(f"sim_cuda: Engine settings {differing or sorted(set(vars(old)) ^ set(vars(new)))} "
-                           "do not carry over to the simulated engine; update simulate_cuda()")
-    schedule.engine = new
-    for unit in schedule.units:
-        unit.engine = new
+    for unit in model.schedule.units:
         for flat in unit.flat_params:  # made on the host before the simulation; on a GPU: the device's
             flat.device = adapter.device
     sim.watch(model)
     return sim
-
-
-def _differs(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, dict, collections.deque)):
-        return len(a) != len(b)  # the queues: empty in both before the first step
-    return a is not b and a != b

@@ -56,7 +56,7 @@ ORDERING_CALLS = REMOVE | COMPUTE_STREAM_ARG | ON_COMPUTE_STREAM
 
 # site -> why no simulated test can catch its mutation (printed with the table)
 EXCEPTIONS: Dict[str, str] = {
-    "engine.py::CudaStreams.record_stream::record_stream#0":
+    "device.py::CudaStreams.record_stream::record_stream#0":
         "the simulator's adapter replaces this body (it registers the tensor with the simulator); every "
         "call of the adapter's record_stream is a site of its own",
     "checkpoint/commit.py::snapshot_entries::record_stream#0":
@@ -454,7 +454,7 @@ def summary(rows: Sequence[Row]) -> Tuple[str, List[Row]]:
     return "\n".join(lines), bad
 
 
-REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "engine.py::CudaStreams.record_stream::record_stream#0",
+REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "device.py::CudaStreams.record_stream::record_stream#0",
                   "tests/test_streams.py::test_fp16_gradients_are_divided_before_and_after_the_sum[8-30720.0-cuda]")
 
 

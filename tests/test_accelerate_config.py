@@ -20,7 +20,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
 from accel_flatshard.options import check_environment  # noqa: E402
-from accel_flatshard.wrap import select_units  # noqa: E402
+from accel_flatshard.wrap import policy_of, select_units  # noqa: E402
 
 # the launcher's yaml-key -> environment mapping for the keys used here (accelerate/utils/launch.py)
 _ENV_NAME = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP", "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS"}
@@ -56,15 +56,15 @@ def _unit_names(model: nn.Module, policy) -> list:
 
 def test_sharding_strategies(fsdp_env):
     o = fsdp_env(fsdp_sharding_strategy="FULL_SHARD")
-    assert (o.reshard_after_forward, o.fsdp_group_size) == (True, None)
+    assert (o.reshard_after_forward, o.group_size) == (True, None)
     o = fsdp_env(fsdp_sharding_strategy="SHARD_GRAD_OP")
-    assert (o.reshard_after_forward, o.fsdp_group_size) == (False, None)
+    assert (o.reshard_after_forward, o.group_size) == (False, None)
     o = fsdp_env(fsdp_sharding_strategy="HYBRID_SHARD", env={"LOCAL_WORLD_SIZE": "4"})
-    assert (o.reshard_after_forward, o.fsdp_group_size) == (True, 4)  # default: processes per node
+    assert (o.reshard_after_forward, o.group_size) == (True, 4)  # default: processes per node
     o = fsdp_env(fsdp_sharding_strategy="_HYBRID_SHARD_ZERO2", env={"FLATSHARD_GROUP_SIZE": "2"})
-    assert (o.reshard_after_forward, o.fsdp_group_size) == (False, 2)
+    assert (o.reshard_after_forward, o.group_size) == (False, 2)
     o = fsdp_env(fsdp_sharding_strategy="NO_SHARD", env={})
-    assert o.fsdp_group_size == 1
+    assert o.group_size == 1
 
 
 def test_group_size_without_hybrid_is_an_error(fsdp_env):
@@ -87,18 +87,18 @@ def test_prefetch_and_state_dict_type(fsdp_env):
 def test_auto_wrap_policies(fsdp_env):
     model = gpt2()
     o = fsdp_env(fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP")  # classes from _no_split_modules
-    assert _unit_names(model, o.auto_wrap_policy(model)) == ["", "transformer.h.0", "transformer.h.1"]
+    assert _unit_names(model, policy_of(o, model)) == ["", "transformer.h.0", "transformer.h.1"]
     o = fsdp_env(fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP", fsdp_transformer_layer_cls_to_wrap="GPT2MLP")
-    assert _unit_names(model, o.auto_wrap_policy(model)) == ["", "transformer.h.0.mlp", "transformer.h.1.mlp"]
+    assert _unit_names(model, policy_of(o, model)) == ["", "transformer.h.0.mlp", "transformer.h.1.mlp"]
     o = fsdp_env(fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP", fsdp_transformer_layer_cls_to_wrap="GPT2Block,Nope")
     with pytest.raises(ValueError, match=r"\['Nope'\] not found in GPT2LMHeadModel.*GPT2Block"):
-        o.auto_wrap_policy(model)
+        policy_of(o, model)
     o = fsdp_env(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=2000)
-    units = _unit_names(model, o.auto_wrap_policy(model))
+    units = _unit_names(model, policy_of(o, model))
     assert "transformer.h" not in units  # a ModuleList has no forward: never a unit
     assert "transformer.h.0.mlp.c_fc" in units
     o = fsdp_env(fsdp_auto_wrap_policy="NO_WRAP")
-    assert o.auto_wrap_policy(model) is None
+    assert policy_of(o, model) is None
 
 
 def test_policy_objects_given_in_code(fsdp_env, monkeypatch):
@@ -118,7 +118,7 @@ def test_policy_objects_given_in_code(fsdp_env, monkeypatch):
         plugin = FullyShardedDataParallelPlugin(fsdp_version=1, auto_wrap_policy=policy, sync_module_states=False,
                                                 cpu_ram_efficient_loading=False)
         options = cfg.options_from_plugin(plugin)
-        assert expected in _unit_names(model, options.auto_wrap_policy(model))
+        assert expected in _unit_names(model, policy_of(options, model))
 
 
 def test_flags_mixed_precision_and_refusals(fsdp_env, monkeypatch):
@@ -131,9 +131,9 @@ def test_flags_mixed_precision_and_refusals(fsdp_env, monkeypatch):
     o = fsdp_env("bf16", env={"FLATSHARD_REDUCE_DTYPE": "fp32"})
     assert (o.mixed_precision.param_dtype, o.mixed_precision.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_env("no").mixed_precision is None
-    assert not fsdp_env().offload_params and not fsdp_env().wrapper_kwargs()["cpu_offload"].offload_params
+    assert not fsdp_env().offload_params and not fsdp_env().offload_params
     o = fsdp_env(fsdp_offload_params=True)  # issue 17: accepted (shards, gradients, optimizer state on the host)
-    assert o.offload_params and o.wrapper_kwargs()["cpu_offload"].offload_params
+    assert o.offload_params and o.offload_params
 
 
 def test_unknown_fsdp_version_and_unknown_env(fsdp_env, monkeypatch):
@@ -179,7 +179,7 @@ def test_yaml_configs_load_and_map(fsdp_env):
         assert raw["fsdp_version"] == 1 and raw["fsdp_sharding_strategy"] == strategy
         keys = {k: v for k, v in raw.items() if k not in ("fsdp_use_orig_params",)}
         o = fsdp_env("bf16" if name.startswith("gpu") else "no", env={"LOCAL_WORLD_SIZE": "8"}, **keys)
-        assert o.fsdp_group_size == group and o.wrap == "transformer"
+        assert o.group_size == group and o.auto_wrap == "transformer"
 
 
 def _run(args, **kw):

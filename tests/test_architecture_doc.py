@@ -151,3 +151,58 @@ def test_the_check_reports_stale_names(tmp_path):
         ("function", "helper()", True), ("function", "gone()", False), ("module attribute", "mod.LIMIT", True),
         ("module attribute", "mod.GONE", False),
     ]
+
+
+def module_paragraphs(text: str) -> List[Tuple[List[str], str]]:
+    """Section 2's bullets: (the files a bullet opens with, the bullet's text)."""
+    section = text.split("## 2. Modules", 1)[1].split("\n## 3.", 1)[0]
+    bullets, current = [], None
+    for line in section.splitlines():
+        if line.startswith("- `"):
+            current = [line]
+            bullets.append(current)
+        elif line.startswith("  ") and current is not None:
+            current.append(line)
+        else:
+            current = None
+    out = []
+    for lines in bullets:
+        body = " ".join(lines)
+        head = body.split(":", 1)[0]
+        files = []
+        for span in _SPAN.findall(head):
+            path = span if span.startswith("accel_flatshard") else f"accel_flatshard/{span}"
+            if span.endswith(".py"):
+                files.append(path)
+            if path.startswith("accel_flatshard/plan/") and not files[-1:] == [path]:
+                files.append(path)
+        if files:
+            out.append((files, body))
+    return out
+
+
+def misplaced(text: str, root: Path = ROOT) -> List[str]:
+    """Functions, classes and members a module's paragraph names that its own module(s) do not define (a name from
+    another module is written ``module.Name``, a module attribute, checked in that module)."""
+    problems = []
+    for files, body in module_paragraphs(text):
+        paths = [root / f for f in files]
+        own = Index([p for p in paths if p.exists()])
+        for kind, span in named(body, own):
+            if kind in ("function", "class", "member") and not exists(kind, span, own, root):
+                problems.append(f"{', '.join(files)}: {span}")
+    return problems
+
+
+def test_each_module_paragraph_names_what_its_module_defines():
+    assert len(module_paragraphs(DOC.read_text())) >= 30
+    assert misplaced(DOC.read_text()) == []
+
+
+def test_the_per_module_check_finds_a_function_in_the_wrong_module(tmp_path):
+    (tmp_path / "accel_flatshard").mkdir()
+    (tmp_path / "accel_flatshard" / "a.py").write_text("def here():\n    pass\n")
+    (tmp_path / "accel_flatshard" / "b.py").write_text("def there():\n    pass\n")
+    text = ("## 2. Modules\n\n- `accel_flatshard/a.py`: `here()` and `there()`,\n  and `b.there()`.\n"
+            "- `accel_flatshard/b.py`: `there()`.\n\n## 3. Next\n")
+    assert misplaced(text, tmp_path) == ["accel_flatshard/a.py: there()"]

@@ -26,17 +26,13 @@ from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_poli
 from accel_flatshard.checkpoint import (
     CheckpointError,
     UnsafeCheckpointError,
-    full_optim_state_dict,
-    full_state_dict,
-    load_full_optim_state_dict,
-    load_full_state_dict,
     load_sharded_model,
     load_sharded_optimizer,
-    optim_state_dict_from_torch,
-    optim_state_dict_to_torch,
     save_sharded_model,
     save_sharded_optimizer,
 )
+from accel_flatshard.state_dict import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                        load_full_state_dict, optim_state_dict_from_torch, optim_state_dict_to_torch)
 
 STEPS = 5
 TOL = 1e-6  # resumed vs uninterrupted losses, also across world sizes
@@ -159,7 +155,7 @@ def first_run(rank, ws, root, which=("gpt2", "llama"), llama_group=1):
         out["logits"] = logits if rank == 0 else None
         out["gpt2_l2"] = _train(m, opt, data[STEPS:], rank, ws)
     if "llama" in which:
-        m = _wrap(models.llama(), fsdp_group_size=llama_group)  # hybrid: llama_group ranks per shard group
+        m = _wrap(models.llama(), group_size=llama_group)  # hybrid: llama_group ranks per shard group
         opt = _sgd(m)
         out["llama_l1"] = _train(m, opt, data[:STEPS], rank, ws)
         summoned, sd, osd = models.full_params(m), full_state_dict(m), full_optim_state_dict(m, opt)
@@ -189,7 +185,7 @@ def resume(rank, ws, root, sd=None, osd=None, which=("gpt2", "llama"), llama_gro
             load_full_optim_state_dict(m, opt, osd if rank == 0 else None)
             out["gpt2_full"] = _train(m, opt, data, rank, ws)
     if "llama" in which:
-        m = _wrap(models.llama(seed=5), fsdp_group_size=llama_group)
+        m = _wrap(models.llama(seed=5), group_size=llama_group)
         opt = _sgd(m)
         load_sharded_model(m, f"{root}/llama/model")
         load_sharded_optimizer(m, opt, f"{root}/llama/optim")

@@ -109,6 +109,7 @@ def _placements_worker(rank, world, tmp):
     generation), ours whole-model (aot_eager: dynamo + aot_autograd as with inductor, without the C++
     compile; whole-model inductor against DDP whole-model: the slow launch matrix)."""
     from accel_flatshard import checkpoint as ckpt
+    from accel_flatshard import state_dict as sd
 
     prompt = batches(1, batch=1, seq=4)[0]
     _fresh_dynamo()
@@ -123,12 +124,12 @@ def _placements_worker(rank, world, tmp):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = _train(model, opt, rank, world, 4)
-        full = (ckpt.full_state_dict(model, rank0_only=False), ckpt.full_optim_state_dict(model, opt, rank0_only=False))
+        full = (sd.full_state_dict(model, rank0_only=False), sd.full_optim_state_dict(model, opt, rank0_only=False))
         ckpt.save_sharded_model(model, f"{tmp}/model")
         ckpt.save_sharded_optimizer(model, opt, f"{tmp}/optim")
         second = _train(model, opt, rank, world, STEPS - 4, first=4)
-        ckpt.load_full_state_dict(model, full[0])
-        ckpt.load_full_optim_state_dict(model, opt, full[1])
+        sd.load_full_state_dict(model, full[0])
+        sd.load_full_optim_state_dict(model, opt, full[1])
         from_full = _train(model, opt, rank, world, STEPS - 4, first=4)
         ckpt.load_sharded_model(model, f"{tmp}/model")
         ckpt.load_sharded_optimizer(model, opt, f"{tmp}/optim")

@@ -162,7 +162,7 @@ def _embedding_gathers_worker(rank, world_size, checkpointing):
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
     if checkpointing:
         checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
-    schedule = wrapped._schedule
+    schedule = wrapped.schedule
     gathers, unshard = [], schedule.engine.unshard
     schedule.engine.unshard = lambda flat, label="": (gathers.append((label, schedule.in_backward)), unshard(flat, label))
     grads = first_grads(wrapped, data[0], rank, world_size)
@@ -228,3 +228,16 @@ def test_a_changed_unit_order_warns_once_naming_both_orders_and_stays_exact():
     assert len(messages) == 1, messages
     assert "recorded: ['<root>', 'blocks.0', 'blocks.1', 'blocks.2']" in messages[0]
     assert "'blocks.2'" in messages[0].split("now (so far):")[1]
+
+
+def test_the_groups_the_engine_runs_on_share_one_interface(world_of_one):
+    """ShardGroup and the tests' single-process stand-ins (identical ranks, identical replicas) are all
+    ``comm.Collectives``: what the engine asks of a group is written once."""
+    from accel_flatshard.comm import Collectives, ShardGroup
+    from test_sim_paths import IdenticalReplicas
+    from test_streams import _IdenticalRanksGroup
+
+    group = ShardGroup()
+    for stand_in in (group, _IdenticalRanksGroup(4, 2), IdenticalReplicas(group)):
+        assert isinstance(stand_in, Collectives), type(stand_in).__name__
+    assert not isinstance(object(), Collectives)

@@ -28,7 +28,7 @@ def test_a_frozen_unit_is_resharded_when_its_backward_is_done():
     units = {u.name: u for u in wrapped.units}
     frozen, below = units["model.layers.1"], units["model.layers.0"]
     seen = []
-    schedule = wrapped._schedule
+    schedule = wrapped.schedule
     original = schedule._post_backward
 
     def spy(unit, flat):  # layer 0's gradients are complete: layer 1's backward was over before

@@ -46,15 +46,16 @@ def _generate(wrapper):
 
     x = batches(1, batch=1, seq=4)[0]
     for mode, budget in (("full", None), ("budget", 1), ("per_unit", None)):  # gather-once, kept units, per step
-        set_generation_options(wrapper, mode=mode, budget_bytes=budget)
+        set_generation_options(wrapper, generation_mode=mode, generation_budget_mb=budget and budget / 2**20)
         wrapper.module.generate(x, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    set_generation_options(wrapper, mode="budget", budget_bytes=None, keep_frozen_gathered=True)
+    set_generation_options(wrapper, generation_mode="budget", generation_budget_mb=None, keep_frozen_gathered=True)
     with torch.no_grad():
         wrapper(input_ids=x)  # a frozen-model forward that keeps units gathered
 
 
 def _checkpoint(wrapper, opt, tmp_path):
-    from accel_flatshard.checkpoint import full_optim_state_dict, save_sharded_model, save_sharded_optimizer
+    from accel_flatshard.checkpoint import save_sharded_model, save_sharded_optimizer
+    from accel_flatshard.state_dict import full_optim_state_dict
 
     save_sharded_model(wrapper, str(tmp_path / "model"))
     save_sharded_optimizer(wrapper, opt, str(tmp_path / "optim"))
@@ -108,12 +109,12 @@ def _two_ranks_with_different_free_memory(rank, world):
     device the object collectives ran on."""
     import contextlib
 
-    from accel_flatshard import FullyShardedDataParallel, comm, generation, transformer_auto_wrap_policy
+    from accel_flatshard import FullyShardedDataParallel, comm, device, generation, transformer_auto_wrap_policy
 
     model, reference = llama(n_layer=4), llama(n_layer=4)
     wrapper = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
     total = sum(generation.unit_bytes(u) for u in wrapper.units)
-    generation.free_memory_bytes = lambda device: 4 * total if rank == 0 else total  # budget: free // 2
+    device.free_bytes = lambda where: 4 * total if rank == 0 else total  # budget: free // 2
     plan = [u.name for u in generation.control_of(wrapper).plan()]
     plans = comm.all_gather_object(dist.group.WORLD, plan)
     assert plans[0] == plans[1], f"ranks planned differently (they would hang in generate): {plans}"
@@ -194,14 +195,14 @@ def test_offloaded_grad_norm_is_all_reduced_on_the_models_device(monkeypatch, ex
 def test_cuda_free_memory_counts_the_allocators_cached_blocks(monkeypatch):
     """mem_get_info sees blocks the caching allocator reserved but no tensor uses as taken; they are free to
     the next allocation (the generation budget is half of this)."""
-    from accel_flatshard.generation import free_memory_bytes
+    from accel_flatshard.device import free_bytes
 
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (asked.append(d), (1000, 8000))[1])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: (asked.append(d), 700)[1])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: (asked.append(d), 200)[1])
     device = torch.device("cuda", 1)
-    assert free_memory_bytes(device) == 1000 + 700 - 200 and asked == [device] * 3
+    assert free_bytes(device) == 1000 + 700 - 200 and asked == [device] * 3
 
 
 # ---------------------------------------------------------------------- torch 2.11: the version gate, the API

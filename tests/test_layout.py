@@ -190,7 +190,8 @@ def unreferenced_functions(package: Path, other_paths=()) -> List[str]:
 
 def test_every_function_is_referenced_in_the_package_or_the_tests():
     tests = Path(__file__).resolve().parent
-    assert unreferenced_functions(PACKAGE, tests.rglob("*.py")) == []
+    autoload = PACKAGE.parent / "accel_flatshard_autoload.py"  # (torch's entry point: it calls into the package)
+    assert unreferenced_functions(PACKAGE, [*tests.rglob("*.py"), autoload]) == []
 
 
 def test_the_reference_check_finds_an_unused_function(tmp_path):
@@ -224,13 +225,14 @@ def unit_state_writers(package: Path) -> List[str]:
 
 
 def schedule_engine_reaches(package: Path) -> List[str]:
-    """``x._schedule.engine`` (or ``schedule.engine``) outside unit.py, schedule.py and engine.py: other modules ask
+    """``x.schedule.engine`` (or ``schedule.engine``) outside unit.py, schedule.py and engine.py: other modules ask
     the Schedule (``device``, ``keep``, ``summon``...), never its engine."""
     return [f"{path.relative_to(package.parent)}:{node.lineno} {ast.unparse(node)}"
             for path in sorted(package.rglob("*.py")) if path.name not in ("unit.py", "schedule.py", "engine.py")
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Attribute) and node.attr == "engine"
-            and (getattr(node.value, "attr", None) == "_schedule" or getattr(node.value, "id", None) == "schedule")]
+            and (getattr(node.value, "attr", None) in ("_schedule", "schedule")
+                 or getattr(node.value, "id", None) == "schedule")]
 
 
 def test_the_schedule_is_the_only_writer_of_unit_state():
@@ -248,7 +250,45 @@ def test_the_unit_state_and_engine_checks_find_offenders(tmp_path):
     (package / "schedule.py").write_text("def go(unit, schedule):\n    unit.state = 1\n    schedule.engine.drain()\n")
     (package / "generation.py").write_text(
         "def summon(units, wrapper):\n    for u in units:\n        u.state, n = 2, 0\n"
-        "    setattr(units[0], 'state', 3)\n    return wrapper._schedule.engine.device\n")
+        "    setattr(units[0], 'state', 3)\n    return wrapper.schedule.engine.device\n")
     assert unit_state_writers(package) == ["pkg/generation.py:3 u.state",
                                            "pkg/generation.py:4 setattr(units[0], 'state', 3)"]
-    assert schedule_engine_reaches(package) == ["pkg/generation.py:5 wrapper._schedule.engine"]
+    assert schedule_engine_reaches(package) == ["pkg/generation.py:5 wrapper.schedule.engine"]
+
+
+def private_imports_across_packages(package: Path) -> List[str]:
+    """``from x import _name`` where ``x`` is a module of another (sub)package than the importer's: a private name
+    is its package's own.  ``_compat``, the package's one adapter of private torch APIs, is imported by design."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        importer_package = path.parent
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            target = path.parent
+            for _ in range(node.level - 1):
+                target = target.parent
+            for part in (node.module or "").split("."):
+                target = target / part if part else target
+            module = target if target.is_dir() else target.parent  # the package of the imported module
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and alias.name != "_compat" and module != importer_package and \
+                        (node.module or "").split(".")[-1] != "_compat":
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {alias.name} from "
+                                 f"{'.' * node.level}{node.module or ''}")
+    return found
+
+
+def test_no_private_name_is_imported_across_a_package_boundary():
+    assert private_imports_across_packages(PACKAGE) == []
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "plan").mkdir(parents=True)
+    (package / "wrapper.py").write_text("def _helper():\n    pass\n")
+    (package / "plan" / "trace.py").write_text("def _copy():\n    pass\n")
+    (package / "plan" / "run.py").write_text("from ..wrapper import _helper\nfrom .trace import _copy\n"
+                                             "from .._compat import fake_world\n")
+    assert private_imports_across_packages(package) == ["pkg/plan/run.py:1 _helper from ..wrapper"]

@@ -70,7 +70,7 @@ def test_offloaded_host_buffers_are_allocated_once_and_reused():
     """Shards, gradients and (with accumulation) staging buffers: allocated in the first step, reused by
     every later step, also across zero_grad() (set to None)."""
     model = _model(True)
-    offload = model._schedule.engine.offload
+    offload = model.schedule.engine.offload
     _train(model, "per_micro_step", steps=1)
     after_first = len(offload.host_buffers)
     trainable = sum(f.requires_grad for f in model.flat_params)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
+from accel_flatshard.engine import MAX_PENDING_REDUCTIONS
 from models import batches, llama, llama_layer_class
 from sim_cuda import SimCudaStreams, one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
@@ -87,13 +88,13 @@ def test_offload_schedule_trains_exactly_like_the_plain_model_with_nothing_persi
 
 def _device_bound(model, activations):
     """gathered units in flight + unreduced full gradients + shard copies + activations."""
-    engine = model._schedule.engine
+    inflight, pending = model.options.limit_all_gathers, MAX_PENDING_REDUCTIONS
     unit = [sum(f.layout.padded_numel * f.unsharded.element_size() for f in u.flat_params) for u in model.units]
     shard = [sum(f.layout.shard_numel * 4 * 2 for f in u.flat_params) for u in model.units]
     root = unit[[u.is_root for u in model.units].index(True)]
     layer = max(b for b, u in zip(unit, model.units) if not u.is_root)
-    return (root + (engine.max_inflight + 1) * layer + (engine.max_pending_reductions + 1) * max(unit)
-            + (engine.max_inflight + engine.max_pending_reductions + 2) * max(shard) + activations)
+    return (root + (inflight + 1) * layer + (pending + 1) * max(unit) + (inflight + pending + 2) * max(shard)
+            + activations)
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "broken-placement-no-offload"])
@@ -123,7 +124,7 @@ def test_pinned_buffers_are_reused_not_leaked(accumulate):
     """Shards, gradients and (when gradients accumulate) staging: pinned once in the first step; later
     steps (zero_grad to None, accumulation over micro-steps) reuse them, and no pinned buffer piles up."""
     model, sim = _offloaded()
-    offload = model._schedule.engine.offload
+    offload = model.schedule.engine.offload
     counts = []
 
     def count(model, opt):
@@ -150,10 +151,10 @@ class _CopiesOnTheComputeStream(SimCudaStreams):
 def test_every_host_to_device_copy_is_ordered_before_the_gather_that_reads_it(broken):
     model, sim = _offloaded()
     if broken:
-        engine = model._schedule.engine
+        engine = model.schedule.engine
         adapter = _CopiesOnTheComputeStream(engine.streams.device, sim)
         adapter._side = engine.streams._side  # the same simulated side streams
-        engine.streams = engine.offload.streams = adapter
+        engine.attach(adapter)
     _train(model, sim, steps=1)
     hazards = [v for v in sim.violations if "before its write on compute" in v]
     assert bool(hazards) == broken, sim.violations
@@ -189,12 +190,13 @@ def test_offload_under_hybrid_copies_the_gradient_after_the_replica_all_reduce(w
     stream under hybrid sharding), post-divided; the device copy is dropped at once, kept alive for the
     other stream by record_stream; the host reads the gradient only after the copy's event."""
     from accel_flatshard.engine import Engine
+    from accel_flatshard.options import FlatShardOptions
     from sim_cuda import SimulatedCuda, sim_adapter
     from test_streams import _flat_with_grad, _IdenticalRanksGroup
 
     sim = SimulatedCuda()
     group = _IdenticalRanksGroup(world, shard, sim, torch.device("cuda", 0))
-    engine = Engine(group, torch.device("cpu"), streams=sim_adapter(sim), offload=True)
+    engine = Engine(group, torch.device("cpu"), FlatShardOptions(offload_params=True), streams=sim_adapter(sim))
     flat, p, grad = _flat_with_grad(shard, 3.0, torch.float32)
     with sim:
         engine.reduce_grad(flat, grad, "w")
@@ -210,11 +212,13 @@ def test_two_reductions_of_one_flat_parameter_in_one_backward_are_summed(world):
     gradient hook fires once per inner backward): each copy lands in its own host buffer, concurrently,
     and the host adds them (not the second one written over the first and then added to itself)."""
     from accel_flatshard.engine import Engine
+    from accel_flatshard.options import FlatShardOptions
     from sim_cuda import SimulatedCuda, sim_adapter
     from test_streams import _flat_with_grad, _IdenticalRanksGroup
 
     sim = SimulatedCuda()
-    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=sim_adapter(sim), offload=True)
+    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), FlatShardOptions(offload_params=True),
+                    streams=sim_adapter(sim))
     flat, p, grad = _flat_with_grad(world, 3.0, torch.float32)
     with sim:
         for expected in (8.0, 16.0):  # two backwards (accumulating): the second reuses the first's buffers

@@ -60,3 +60,86 @@ def test_unknown_name_fails_on_the_plain_wrapper(world_of_one, monkeypatch):
     monkeypatch.delenv("FLATSHARD_GRUOP_SIZE")
     model = FullyShardedDataParallel(nn.Linear(4, 4))  # and without it the same call works
     assert model.flat_params
+
+
+# ---------------------------------------------------------------------- one name per setting
+# Every setting: (its accelerate yaml source, its FLATSHARD_* variable, the wrapper argument that sets it, the
+# modules that read it).  The wrapper argument is the setting's own name (FullyShardedDataParallel(model, **settings)),
+# except where torch FSDP's spelling is accepted too; "-" where the Accelerator owns it.
+SETTINGS = {
+    "reshard_after_forward": ("fsdp_sharding_strategy", None, "reshard_after_forward", ["fully_sharded.py"]),
+    "group_size": ("fsdp_sharding_strategy", "FLATSHARD_GROUP_SIZE", "group_size", ["comm.py"]),
+    "backward_prefetch": ("fsdp_backward_prefetch", None, "backward_prefetch", ["schedule.py"]),
+    "forward_prefetch": ("fsdp_forward_prefetch", None, "forward_prefetch", ["schedule.py"]),
+    "limit_all_gathers": (None, "FLATSHARD_LIMIT_ALL_GATHERS", "limit_all_gathers", ["engine.py"]),
+    "offload_params": ("fsdp_offload_params", None, "offload_params (torch's cpu_offload too)", ["engine.py"]),
+    "mixed_precision": ("mixed_precision (top level)", "FLATSHARD_REDUCE_DTYPE", "mixed_precision",
+                        ["engine.py", "schedule.py", "fully_sharded.py"]),
+    "sync_module_states": ("fsdp_sync_module_states", None, "sync_module_states", ["fully_sharded.py"]),
+    "gloo_p2p": (None, "FLATSHARD_GLOO_P2P", "gloo_p2p", ["comm.py"]),
+    "reduce_scatter_via_all_reduce": (None, "FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "reduce_scatter_via_all_reduce",
+                                      ["comm.py"]),
+    "timeout_s": (None, "FLATSHARD_TIMEOUT_S", "timeout_s", ["comm.py"]),
+    "generation_mode": (None, "FLATSHARD_GENERATION_MODE", "generation_mode", ["generation.py"]),
+    "generation_budget_mb": (None, "FLATSHARD_GENERATION_BUDGET_MB", "generation_budget_mb", ["generation.py"]),
+    "keep_frozen_gathered": (None, "FLATSHARD_KEEP_FROZEN_GATHERED", "keep_frozen_gathered",
+                             ["generation.py", "fully_sharded.py"]),
+    "auto_wrap": ("fsdp_auto_wrap_policy", None, "-", ["wrap.py"]),
+    "layer_cls_names": ("fsdp_transformer_layer_cls_to_wrap", None, "-", ["wrap.py"]),
+    "min_num_params": ("fsdp_min_num_params", None, "-", ["wrap.py"]),
+    "custom_policy": ("fsdp_auto_wrap_policy", None, "-", ["wrap.py"]),
+    "activation_checkpointing": ("fsdp_activation_checkpointing", None, "-", ["integrations/accelerate.py"]),
+    "state_dict_type": ("fsdp_state_dict_type", None, "-", ["plan/run.py"]),
+    "cpu_ram_efficient_loading": ("fsdp_cpu_ram_efficient_loading", None, "-", ["integrations/config.py"]),
+}
+# the variables that configure the process or the Accelerator, not a model: the module that reads each
+PROCESS_VARIABLES = {"FLATSHARD_STATE_DICT_TIMEOUT_S": "state_dict/model.py", "FLATSHARD_PROFILE": "profiler.py",
+                     "FLATSHARD_PROFILE_EVERY": "profiler.py", "FLATSHARD_ASYNC_SAVE": "integrations/accelerate.py",
+                     "FLATSHARD_REDUCE_DTYPE": "integrations/config.py"}
+PACKAGE = os.path.join(os.path.dirname(README), "accel_flatshard")
+
+
+def _attributes_read(relative: str) -> set:
+    import ast
+
+    with open(os.path.join(PACKAGE, relative)) as f:
+        tree = ast.parse(f.read())
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+
+
+def test_every_setting_has_one_name_from_its_yaml_key_or_variable_to_its_reader():
+    from accel_flatshard.options import FIELDS, FlatShardOptions, setting_sources
+
+    assert set(FIELDS) == set(SETTINGS), "a new option is a FlatShardOptions field and a row here"
+    sources = setting_sources()
+    for name, (yaml, variable, argument, readers) in SETTINGS.items():
+        assert sources[name]["env"] == variable, name
+        assert (sources[name]["yaml"] or "").startswith(yaml or ""), (name, sources[name]["yaml"])
+        if variable and variable not in PROCESS_VARIABLES:
+            assert options.OPTIONS[variable].setting == name, variable
+        if argument != "-":
+            assert argument.split(" ")[0] == name  # the wrapper argument is the setting's name
+            FlatShardOptions.from_environment({}, **{name: getattr(FlatShardOptions(), name)})
+        for module in readers:
+            assert name in _attributes_read(module), f"{module} does not read {name}"
+    for variable, module in PROCESS_VARIABLES.items():
+        assert options.OPTIONS[variable].setting is None
+        with open(os.path.join(PACKAGE, module)) as f:
+            assert variable in f.read(), f"{module} does not read {variable}"
+    assert {o.name for o in options.OPTIONS.values() if o.setting} | set(PROCESS_VARIABLES) == set(options.OPTIONS)
+
+
+def test_the_wrapper_takes_every_setting_by_its_name_and_refuses_others(world_of_one):
+    wrapped = FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=1, forward_prefetch=False,
+                                       generation_mode="full")
+    assert (wrapped.options.limit_all_gathers, wrapped.options.forward_prefetch) == (1, False)
+    assert wrapped.schedule.engine.options is wrapped.options and wrapped.shard_group.via_p2p == (
+        wrapped.options.gloo_p2p is not False)
+    with pytest.raises(TypeError, match=r"unknown accel_flatshard option\(s\) \['max_inflight'\]"):
+        FullyShardedDataParallel(nn.Linear(4, 4), max_inflight=1)
+
+
+def test_a_variable_sets_its_settings_default_and_an_argument_wins(world_of_one, monkeypatch):
+    monkeypatch.setenv("FLATSHARD_LIMIT_ALL_GATHERS", "3")
+    assert FullyShardedDataParallel(nn.Linear(4, 4)).options.limit_all_gathers == 3
+    assert FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=1).options.limit_all_gathers == 1

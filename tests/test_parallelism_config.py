@@ -143,10 +143,10 @@ def test_sizes_from_the_shipped_yaml_and_flags_become_shard_groups(clean_env):
         pc = cfg.requested_parallelism_config({})
         assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (replicate, shard, 1, 1)
         opts = _options(clean_env, env, pc)
-        assert (opts.fsdp_group_size, opts.reshard_after_forward) == (shard, True)
+        assert (opts.group_size, opts.reshard_after_forward) == (shard, True)
     # HYBRID_SHARD with FLATSHARD_GROUP_SIZE=2 (fsdp_version 1) asks for the same groups
     hybrid = _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_GROUP_SIZE="2"))
-    assert hybrid.fsdp_group_size == 2 and hybrid.reshard_after_forward
+    assert hybrid.group_size == 2 and hybrid.reshard_after_forward
 
 
 def test_contradicting_layouts_are_named(clean_env):
@@ -157,7 +157,7 @@ def test_contradicting_layouts_are_named(clean_env):
         _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="NO_SHARD"), pc)
     # _HYBRID_SHARD_ZERO2 keeps its "no reshard after forward" with the config's groups
     zero2 = _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="_HYBRID_SHARD_ZERO2"), pc)
-    assert (zero2.fsdp_group_size, zero2.reshard_after_forward) == (2, False)
+    assert (zero2.group_size, zero2.reshard_after_forward) == (2, False)
 
 
 @pytest.mark.ci

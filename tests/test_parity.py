@@ -35,7 +35,7 @@ def _run_schedules(rank, world_size, model_name, schedules, group_size):
     for kwargs in schedules:
         model = MODELS[model_name]()
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),
-                                           fsdp_group_size=group_size, **kwargs)
+                                           group_size=group_size, **kwargs)
         grads = first_grads(wrapped, data[0], rank, world_size)
         losses = train(wrapped, data, rank, world_size)
         results.append((kwargs, grads, losses, full_params(wrapped)))

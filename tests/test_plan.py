@@ -28,6 +28,7 @@ from launch_helpers import CPU_FSDP_YAML, REPO, SCRIPTS, launch, read_json
 from plan_rows import BATCH, BF16, BF16_REDUCE_BF16, measure, measure_rows, row, snapshot_bytes, wrap
 
 from accel_flatshard import plan
+from accel_flatshard.options import BackwardPrefetch
 from accel_flatshard.plan.__main__ import main as plan_main
 
 TOLERANCE = 0.02
@@ -46,20 +47,20 @@ def _check(rows, measured, what):
     assert abs(worst[3]) <= TOLERANCE, f"{worst[0]}: measured {worst[1]}, planner {worst[2]}"
 
 
-ONE_RANK = [row("llama", 1, "FULL_SHARD"), row("gpt2", 1, "AC + bf16", BF16, checkpointing=True),
+ONE_RANK = [row("llama", 1, "FULL_SHARD"), row("gpt2", 1, "AC + bf16", BF16, activation_checkpointing=True),
             row("llama", 1, "bf16 (fp32 reduce)", BF16),
             row("toy", 1, "FULL_SHARD"), row("llama", 1, "micro-batch 2, no_sync", micro_batch=2, accumulation="no_sync")]
 TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
              row("gpt2", 2, "prefetch off", forward_prefetch=False, backward_prefetch=None),
-             row("toy", 2, "offload", offload=True), row("llama", 2, "AC + bf16 (bf16 reduce)", BF16_REDUCE_BF16,
-                                                           checkpointing=True),
-             row("gpt2", 2, "offload + bf16", BF16, offload=True),
+             row("toy", 2, "offload", offload_params=True), row("llama", 2, "AC + bf16 (bf16 reduce)", BF16_REDUCE_BF16,
+                                                           activation_checkpointing=True),
+             row("gpt2", 2, "offload + bf16", BF16, offload_params=True),
              row("gpt2", 2, "micro-batch 2, sync_each_batch", micro_batch=2, accumulation="sync_each_batch"),
              row("llama-vocab", 2, "FULL_SHARD, large vocabulary")]
-FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", shard_size=2),
-              row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", shard_size=2, reshard_after_forward=False,
-                  checkpointing=True),
-              row("toy", 4, "bf16, BACKWARD_POST", BF16, forward_prefetch=False, backward_prefetch="BACKWARD_POST")]
+FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
+              row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", group_size=2, reshard_after_forward=False,
+                  activation_checkpointing=True),
+              row("toy", 4, "bf16, BACKWARD_POST", BF16, forward_prefetch=False, backward_prefetch=BackwardPrefetch.BACKWARD_POST)]
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -127,7 +128,7 @@ def test_planner_peak_matches_the_measured_step_four_ranks():
 
 
 SIMULATED = [row("llama", 1, "FULL_SHARD"), row("gpt2", 1, "SHARD_GRAD_OP", reshard_after_forward=False),
-             row("llama", 1, "offload + bf16", BF16, offload=True), row("gpt2", 1, "limit_all_gathers 1, bf16", BF16,
+             row("llama", 1, "offload + bf16", BF16, offload_params=True), row("gpt2", 1, "limit_all_gathers 1, bf16", BF16,
                                                                         limit_all_gathers=1)]
 
 
@@ -285,8 +286,9 @@ def _inputs(argv):
     # (the options the planner never reads: loading and the checkpoint format)
     options = dataclasses.replace(planner.options, state_dict_type="", cpu_ram_efficient_loading=False,
                                   sync_module_states=True)
+    assert cfg.options is planner.options  # (the run's options are the launch's)
     return (options, planner.world_size, planner.batch_size, planner.autocast, planner.num_machines,
-            planner.names, cfg)
+            planner.names, dataclasses.replace(cfg, options=options))
 
 
 def test_every_launch_flag_is_planned_inert_or_refused():
@@ -366,8 +368,8 @@ def test_parallelism_config_flags_and_yaml_block_plan_the_hybrid_layout():
     from_flags = _inputs(TOY_LAUNCH + ["--fsdp_version", "2", "--num_processes", "4", "--use_parallelism_config",
                                        "--parallelism_config_dp_replicate_size", "2",
                                        "--parallelism_config_dp_shard_size", "2"])
-    assert from_yaml[-1] == from_flags[-1] and from_yaml[-1].strategy(4) == "HYBRID_SHARD"
-    assert from_yaml[-1].shard_size == 2 and from_flags[0].fsdp_group_size == 2
+    assert from_yaml[-1].knobs() == from_flags[-1].knobs() and from_yaml[-1].strategy(4) == "HYBRID_SHARD"
+    assert from_yaml[-1].shard_size(4) == 2 and from_flags[0].group_size == 2
 
 
 def test_gradient_accumulation_from_the_yaml_plans_as_the_flag(tmp_path):

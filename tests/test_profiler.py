@@ -2,6 +2,7 @@
 profiler's events, FLATSHARD_PROFILE, and no record_function when no profiler runs."""
 import json
 import os
+import contextlib
 import time
 from types import SimpleNamespace
 from unittest import mock
@@ -13,7 +14,7 @@ from torch.profiler import profile
 import accel_flatshard.profiler as profiler_module
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.profiler import PHASE_ROWS, phase_table, start_from_env, step_phases, stop_env_profiler
-from accel_flatshard.engine import HostAdapter
+from accel_flatshard.device import CudaStreams, HostAdapter
 from dist_helpers import spawn
 from models import batches, gpt2
 
@@ -129,20 +130,45 @@ def test_phase_table_from_events_puts_the_rate_limit_wait_in_its_own_row():
     assert "| 3.0 |" in phase_table([s]).split("rate-limit wait")[1].split("\n")[0]
 
 
-class _SlowFreeStreams(HostAdapter):
-    """Host adapter whose freed buffers complete late (as a busy CUDA compute stream): the engine's
-    all-gather rate limit then makes the host wait."""
+class _SlowEvents:
+    """``torch.cuda`` stand-in on the host whose events complete late (as behind a busy CUDA compute stream)."""
 
-    def record(self, stream):
-        return object()
+    def current_stream(self, device=None):
+        return self
 
-    def synchronize(self, event):
+    def Stream(self, **kwargs):  # noqa: N802 - torch.cuda's names
+        return self
+
+    Event = Stream
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
         time.sleep(0.01)
+
+    def wait_stream(self, other):
+        pass
+
+    wait_event = wait_stream
+
+
+class _SlowFreeStreams(CudaStreams):
+    """The CUDA adapter on host tensors whose freed buffers complete late: its all-gather rate limit then makes the
+    host wait."""
+
+    def __init__(self, device):
+        super().__init__(device, api=_SlowEvents())
+
+    record_stream = HostAdapter._nothing  # (host tensors)
 
 
 def test_engine_rate_limit_wait_is_reported_as_its_own_phase(world_of_one):
     wrapped = _wrap()
-    wrapped._schedule.engine.streams = _SlowFreeStreams(torch.device("cpu"))
+    wrapped.schedule.engine.attach(_SlowFreeStreams(torch.device("cpu")))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     _train(wrapped, optimizer, steps=1)
     with profile() as prof:

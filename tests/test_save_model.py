@@ -134,7 +134,7 @@ def _hybrid_worker(rank, world_size):
 
     model = llama(seed=4)
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),  # noqa: F841
-                                       fsdp_group_size=2)
+                                       group_size=2)
     full = model.state_dict()
     return full if rank == 0 else len(full)
 
@@ -186,7 +186,7 @@ def _contract_worker(rank, world_size, out_dir):
 
 def _main_only_full_state_dict(rank, wrapped):
     """What accelerator.get_state_dict / save_model run, called under `if is_main_process:`."""
-    from accel_flatshard.checkpoint import full_state_dict
+    from accel_flatshard.state_dict import full_state_dict
 
     error, seconds = None, 0.0
     if rank == 0:

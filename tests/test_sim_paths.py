@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.checkpoint import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                                        load_full_state_dict, load_sharded_model, load_sharded_optimizer,
-                                        save_sharded_model, save_sharded_optimizer)
+from accel_flatshard.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
+                                        save_sharded_optimizer)
+from accel_flatshard.state_dict import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                        load_full_state_dict)
 from accel_flatshard.generation import (control_of, peak_held_bytes, set_generation_options,
                                         trl_generation_context, trl_summon_full_params)
 from models import batches, llama, llama_layer_class
@@ -81,13 +82,13 @@ class Run:
 
 
 def wrap(variant, make=None, policy=None, **kwargs):
-    """``variant``: plain / offload / hybrid / hybrid-offload.  Hybrid: ``fsdp_group_size=1`` at W>1; in one
+    """``variant``: plain / offload / hybrid / hybrid-offload.  Hybrid: ``group_size=1`` at W>1; in one
     process :func:`simulated` gives the engine two identical replicas."""
     module = (make or (lambda: llama(n_layer=2)))()
     policy = policy(module) if policy else transformer_auto_wrap_policy([llama_layer_class()])
     world = torch.distributed.get_world_size()
     return FullyShardedDataParallel(module, auto_wrap_policy=policy, cpu_offload=CPUOffload("offload" in variant),
-                                    fsdp_group_size=1 if "hybrid" in variant and world > 1 else None, **kwargs)
+                                    group_size=1 if "hybrid" in variant and world > 1 else None, **kwargs)
 
 
 def simulated(variant, sim=None, **kwargs):
@@ -145,9 +146,10 @@ def _step(model, opt, x):
 
 def _set_mode(model, mode):
     if mode == "budget-partial":  # keeps the root gathered, not every layer (3 layers, forward prefetch)
-        set_generation_options(model, mode="budget", budget_bytes=peak_held_bytes(model.units, [], True))
+        set_generation_options(model, generation_mode="budget",
+                               generation_budget_mb=peak_held_bytes(model.units, [], True) / 2**20)
     else:
-        set_generation_options(model, mode=mode)  # budget: the tiny model fits: gathered once
+        set_generation_options(model, generation_mode=mode)  # budget: the tiny model fits: gathered once
 
 
 def _warns_if(slow_mode):
@@ -379,7 +381,8 @@ def outside_read(model, run, nograd_between, keep_root=False):
     nothing but the head's own wait orders its gather before the backward reads it."""
     if keep_root:
         root = next(u for u in model.units if u.is_root)
-        set_generation_options(model, keep_frozen_gathered=True, budget_bytes=peak_held_bytes(model.units, [root], True))
+        set_generation_options(model, keep_frozen_gathered=True,
+                               generation_budget_mb=peak_held_bytes(model.units, [root], True) / 2**20)
         assert control_of(model).plan() == [root]
     opt, losses = _sgd(model), []
     for x in batches(2):
@@ -633,8 +636,8 @@ def test_the_simulator_names_the_tensor_the_stream_and_the_op_of_an_unordered_ho
     with sim:
         with torch.no_grad():
             model(input_ids=x)  # gathers copy the host shards to the device (all-gather stream)
-        unit = model._schedule.recorded_order[-1]  # gathered last
+        unit = model.schedule.recorded_order[-1]  # gathered last
         unit.flat_params[0].local_shard.add_(1.0)  # on the host, without waiting for those copies
-    stream = model._schedule.engine.all_gather_stream.name
+    stream = model.schedule.engine.all_gather_stream.name
     assert any(v.startswith(f"local_shard of {unit.name}[0] written on host while {stream} may still read it")
                and "aten::add_" in v for v in sim.violations), sim.violations

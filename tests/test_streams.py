@@ -11,9 +11,11 @@ import torch
 import torch.nn as nn
 
 from accel_flatshard import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
+from accel_flatshard import engine as engine_module
 from accel_flatshard.engine import Engine
+from accel_flatshard.options import FlatShardOptions
 from accel_flatshard.flat_param import FlatParameter
-from accel_flatshard.engine import HIGH_PRIORITY, CudaStreams, HostAdapter
+from accel_flatshard.device import HIGH_PRIORITY, CudaStreams, HostAdapter
 from models import batches, llama, llama_layer_class
 from sim_cuda import SimulatedCuda, one_thread, sim_adapter, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
@@ -47,7 +49,7 @@ def _train(model, steps=2, sim=None):
 
 def test_simulated_cuda_schedule_trains_exactly_like_the_plain_model():
     model, sim = _simulated()
-    assert isinstance(model._schedule.engine.streams, CudaStreams)
+    assert isinstance(model.schedule.engine.streams, CudaStreams)
     assert _train(model, sim=sim) == _train(llama(n_layer=LAYERS))
     assert sim.violations == []
 
@@ -67,14 +69,14 @@ def test_at_most_n_full_gradients_are_alive_during_backward():
     _train(model, steps=1, sim=sim)
     n_flats = len(model.flat_params)
     assert n_flats > 3
-    assert sim.peak["full_grad"] <= model._schedule.engine.max_pending_reductions
+    assert sim.peak["full_grad"] <= engine_module.MAX_PENDING_REDUCTIONS
     assert sim.violations == []  # each was dropped only after the compute stream waited for its reduction
 
 
 def test_the_simulator_sees_unbounded_full_gradients(monkeypatch):
     """The check above can fail: with the bound lifted (the old CUDA path) every flat gradient stays alive."""
     model, sim = _simulated()
-    model._schedule.engine.max_pending_reductions = 10**6
+    monkeypatch.setattr(engine_module, "MAX_PENDING_REDUCTIONS", 10**6)
     _train(model, steps=1, sim=sim)
     assert sim.peak["full_grad"] == len(model.flat_params)
 
@@ -95,7 +97,7 @@ def test_limit_all_gathers_bounds_gathered_buffers_when_the_host_runs_ahead(limi
 
 
 def test_the_simulator_sees_gathers_piling_up_without_the_rate_limit(monkeypatch):
-    monkeypatch.setattr(Engine, "_wait_for_freed_buffers", lambda self: None)
+    monkeypatch.setattr(CudaStreams, "wait_for_freed", lambda self, limit: None)
     model, sim = _simulated(limit_all_gathers=1)
     _train(model, steps=1, sim=sim)
     assert sim.peak["unsharded"] >= LAYERS
@@ -156,9 +158,6 @@ class _IdenticalRanksGroup:
             output.add_(mine)
         return _Done()
 
-    def take_reduced_shard(self, output, full):
-        return output
-
     def all_reduce_replicas(self, tensor, async_op=True):
         if self.sim is not None:
             self.replica_streams.append(self.sim.current_stream(self.device))
@@ -187,7 +186,7 @@ def test_fp16_gradients_are_divided_before_and_after_the_sum(adapter, world, val
     after): 8 * 30720 / 4 = 61440 fits, while swapped (2 before) 122880 would be inf."""
     sim = SimulatedCuda()
     streams = sim_adapter(sim) if adapter == "cuda" else HostAdapter(torch.device("cpu"))
-    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), streams=streams)
+    engine = Engine(_IdenticalRanksGroup(world, world), torch.device("cpu"), FlatShardOptions(), streams=streams)
     flat, p, grad = _flat_with_grad(world, value, torch.float16)
     with sim:
         engine.reduce_grad(flat, grad, "w")
@@ -204,7 +203,7 @@ def test_replica_all_reduce_runs_on_its_own_stream_after_the_reduce_scatter():
     sim = SimulatedCuda()
     device = torch.device("cuda", 0)
     group = _IdenticalRanksGroup(4, 2, sim, device)
-    engine = Engine(group, torch.device("cpu"), streams=sim_adapter(sim))
+    engine = Engine(group, torch.device("cpu"), FlatShardOptions(), streams=sim_adapter(sim))
     flat, p, grad = _flat_with_grad(2, 1.0, torch.float32)
     with sim:
         engine.reduce_grad(flat, grad, "w")

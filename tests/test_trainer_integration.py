@@ -56,10 +56,10 @@ def test_fsdp2_config_maps_to_options_and_an_fsdp1_plugin(clean_env, reshard, st
                                                 "fsdp_cpu_ram_efficient_loading": True})
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard
     options = cfg.options_from_plugin(plugin)
-    assert options.reshard_after_forward is reshard and options.fsdp_group_size is None
+    assert options.reshard_after_forward is reshard and options.group_size is None
     assert options.backward_prefetch == BackwardPrefetch.BACKWARD_PRE  # FSDP2's implicit prefetch
     assert options.state_dict_type == "SHARDED_STATE_DICT"  # FSDP2's default
-    assert options.wrap == "transformer" and options.sync_module_states and options.cpu_ram_efficient_loading
+    assert options.auto_wrap == "transformer" and options.sync_module_states and options.cpu_ram_efficient_loading
     cfg.normalize_plugin_to_fsdp1(plugin, options)
     # accelerate's is_fsdp2 and the Trainer's `fsdp_version == 2` checks now see FSDP1
     assert plugin.fsdp_version == 1 and plugin.sharding_strategy == strategy
@@ -129,7 +129,7 @@ def test_shipped_yamls_are_what_accelerate_config_writes(tmp_path):
 def test_questionnaire_yamls_map_to_options(clean_env, name, reshard, state_dict_type):
     fsdp_config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["fsdp_config"]
     options = cfg.options_from_plugin(_plugin_from_yaml_keys(clean_env, fsdp_config))
-    assert (options.reshard_after_forward, options.state_dict_type, options.wrap) == (reshard, state_dict_type,
+    assert (options.reshard_after_forward, options.state_dict_type, options.auto_wrap) == (reshard, state_dict_type,
                                                                                      "transformer")
 
 

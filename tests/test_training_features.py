@@ -188,7 +188,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads(model_name, how)
 
 # ---------------------------------------------------------------------------- clipping
 def _clip_worker(rank, world_size, group_size, norm_type):
-    wrapped = _wrap("llama", fsdp_group_size=group_size)
+    wrapped = _wrap("llama", group_size=group_size)
     x = batches(1, batch=2 * world_size)[0]
     local = x.chunk(world_size)[rank]
     wrapped(local, labels=local).loss.backward()

@@ -8,7 +8,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
 from accel_flatshard import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from accel_flatshard.wrap import backward_reads_parameters, select_units
+from accel_flatshard.wrap import backward_reads_parameters, policy_of, select_units
 from models import gpt2, llama
 
 
@@ -43,14 +43,14 @@ def test_size_policy_never_wraps_containers_and_matches_torch_recursion():
 def test_size_policy_of_an_accelerate_config_keeps_multihead_attention_whole_as_torch_does():
     """MultiheadAttention reads its out_proj's weight in its own forward, not through the submodule's: torch's
     size policy never looks inside it (FORCE_LEAF_MODULES).  The yaml's SIZE_BASED_WRAP maps to the same choice."""
-    from accel_flatshard.integrations.config import FlatShardOptions
+    from accel_flatshard.options import FlatShardOptions
 
     model = nn.Sequential(*(nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "mlp": nn.Linear(64, 64)})
                             for _ in range(2)))
     min_num_params = 4000  # an out_proj alone (64 * 64 + 64) would be a unit if looked into
     theirs = _names(model, functools.partial(torch_size_policy, min_num_params=min_num_params))
     assert theirs == ["", "0.mlp", "1.mlp"]  # (a module not looked into is no unit either: its parameters stay up)
-    assert _names(model, FlatShardOptions(wrap="size", min_num_params=min_num_params).auto_wrap_policy(model)) == theirs
+    assert _names(model, policy_of(FlatShardOptions(auto_wrap="size", min_num_params=min_num_params), model)) == theirs
     assert _names(model, size_based_auto_wrap_policy(min_num_params)) == theirs
 
 

@@ -1,16 +1,14 @@
 """Checkpoints on disk for accel_flatshard models (its modules: docs/ARCHITECTURE.md, "Checkpoints on disk").
 
-The full (gathered) state dicts are in memory (:mod:`accel_flatshard.state_dict`); their functions are importable
-from here too, as the README documents them.  Every name here is loaded on first use: importing ``.format`` from
-``state_dict/`` runs this file, which must not import ``state_dict/`` back.
+The full (gathered) state dicts are in memory: their home is :mod:`accel_flatshard.state_dict`.  Every name here is
+loaded on first use: importing ``.format`` from ``state_dict/`` runs this file, which must not import ``state_dict/``
+back.
 """
 import importlib
 from typing import Any
 
 _HOMES = {
     **dict.fromkeys(["CheckpointError", "UnsafeCheckpointError"], ".format"),
-    **dict.fromkeys(["full_state_dict", "load_full_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
-                     "optim_state_dict_to_torch", "optim_state_dict_from_torch"], "..state_dict"),
     **dict.fromkeys(["save_sharded_model", "load_sharded_model", "save_sharded_optimizer", "load_sharded_optimizer"],
                     ".sharded"),
     **dict.fromkeys(["read_checkpoint_info", "read_full_tensors", "consolidate"], ".offline"),

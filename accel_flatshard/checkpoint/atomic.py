@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict
 
-__all__ = ["write_atomic", "write_text_atomic", "write_json_atomic", "new_tmp_dir", "commit_dir"]
 
 
 def fsync_dir(path: str) -> None:

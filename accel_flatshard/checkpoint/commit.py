@@ -20,13 +20,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..engine import CudaStreams
+from ..device import CudaStreams
 from .dcp import Entry, FlatRange
 from .format import CheckpointError
 
-__all__ = ["COMPLETE_FILE", "PENDING_FILE", "missing_parts", "check_complete", "newest_complete_checkpoint",
-           "prune_checkpoints", "snapshot_entries", "snapshot_bytes", "start_save", "wait_for_saves", "writer_group",
-           "SAVES"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +171,7 @@ def writer_group(world: Optional[dist.ProcessGroup], shard_size: int) -> Any:
                            shard_size=shard_size)
 
 
-SAVES = SimpleNamespace(in_flight=None)  # the background save not yet joined (benchmarks poll it)
+SAVES = SimpleNamespace(in_flight=None, exit_handler=False)  # the background save not yet joined (benchmarks poll it)
 
 
 def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]], group: Any,
@@ -207,6 +204,9 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
                           + "; ".join(failed))
 
     if background:
+        if not SAVES.exit_handler:  # (registered by the first background save: importing changes nothing)
+            atexit.register(_wait_at_exit)
+            SAVES.exit_handler = True
         save.thread = threading.Thread(target=job, name=f"accel_flatshard save {directory}", daemon=True)
         SAVES.in_flight = save
         save.thread.start()
@@ -232,6 +232,3 @@ def _wait_at_exit() -> None:
     except CheckpointError as exc:  # nobody is left to raise it to: say it loudly
         logger.error(str(exc))
         print(f"accel_flatshard: {exc}", flush=True)
-
-
-atexit.register(_wait_at_exit)

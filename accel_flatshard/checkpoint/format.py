@@ -9,7 +9,6 @@ import torch
 
 from .. import comm
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "dtype_to_str", "str_to_dtype", "agree"]
 
 
 class CheckpointError(RuntimeError):

@@ -23,8 +23,6 @@ from .atomic import write_atomic, write_json_atomic
 from .format import CheckpointError, dtype_to_str, str_to_dtype
 from .sharded import META_FILE, load_entries, open_checkpoint, read_meta
 
-__all__ = ["read_checkpoint_info", "read_full_tensors", "consolidate", "is_save_state_dir",
-           "read_save_state_info", "consolidate_save_state"]
 
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -40,9 +40,6 @@ from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlann
 from .dcp import storage_records
 from .format import CheckpointError, UnsafeCheckpointError, agree, dtype_to_str, str_to_dtype
 
-__all__ = ["save_sharded_model", "load_sharded_model", "save_sharded_optimizer", "load_sharded_optimizer",
-           "save_entries", "open_checkpoint", "load_entries", "resolve_checkpoint_dir", "read_meta",
-           "load_metadata_safely"]
 
 META_FILE = "flatshard.json"
 FORMAT = "accel_flatshard.sharded"

@@ -1,15 +1,4 @@
-"""Integrations with training frameworks.  ``accelerate``: the Accelerate backend (imported lazily, so
-``import accel_flatshard`` does not import accelerate)."""
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["Accelerator", "register"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import accelerate as _accelerate
-
-        return getattr(_accelerate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+"""Integrations with training frameworks: ``accelerate`` (the Accelerate backend), ``config`` (accelerate's
+configuration as options), ``state_io`` (its checkpoints), ``trainer_trl_peft`` and ``versions``.  Nothing is
+imported here: ``accel_flatshard.Accelerator`` loads the backend on first use, so ``import accel_flatshard`` does not
+import accelerate."""

@@ -31,19 +31,20 @@ from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_contex
 from .. import options, patches
 from .._compat import clamp_all_
 from ..compilation import compile_model
+from ..device import free_bytes
 from ..fully_sharded import FullyShardedDataParallel, check_not_wrapped
 from ..grad_norm import clip_grad_norm_
 from ..state_dict.model import find_wrapper, full_state_dict
-from ..wrap import checkpoint_units
+from ..options import FlatShardOptions
+from ..wrap import checkpoint_units, policy_of
 from . import state_io
 from .versions import check_versions
-from .config import FlatShardOptions, build_plugin_without_device, fsdp_version, normalize_plugin_to_fsdp1
+from .config import build_plugin_without_device, fsdp_version, normalize_plugin_to_fsdp1
 from .config import launched_world_size, options_from_plugin, requested_parallelism_config, use_cpu_state_for_launch
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)
 
-__all__ = ["Accelerator", "register", "register_for_launch_without_runner"]
 
 
 class Accelerator(_BaseAccelerator):
@@ -140,7 +141,7 @@ class Accelerator(_BaseAccelerator):
             model._is_accelerate_prepared = True
             return model
         check_not_wrapped(model)
-        policy = opts.auto_wrap_policy(model)  # unknown layer classes fail here, before anything changes
+        policy = policy_of(opts, model)  # unknown layer classes fail here, before anything changes
         self._materialize_and_place(model)
         skeleton = None
         if not evaluation_mode and available_bytes(self.device) is not None:  # the planner's check (plan/), CUDA only
@@ -152,7 +153,7 @@ class Accelerator(_BaseAccelerator):
             model._original_forward = forward = model.forward
             amp_forward = convert_outputs_to_fp32(autocast(getattr(forward, "__func__", forward)))
             model.forward = MethodType(amp_forward, model) if hasattr(forward, "__func__") else amp_forward
-        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, **opts.wrapper_kwargs())
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, options=opts)
         # accelerate's fsdp_activation_checkpointing: every inner unit, as for torch FSDP
         if opts.activation_checkpointing and not evaluation_mode and not checkpoint_units(
                 wrapped.module, [u.module for u in wrapped.units if not u.is_root]):
@@ -260,9 +261,10 @@ class Accelerator(_BaseAccelerator):
 # ---------------------------------------------------------------------- helpers
 def available_bytes(device: torch.device) -> Optional[int]:
     """What this process may hold on ``device``, which ``prepare``'s memory check holds the planner's prediction
-    against: CUDA's free memory plus what torch's allocator reserved.  None elsewhere: a CPU "device" is host RAM
-    shared with everything on the host (page cache, overcommit, swap), no budget, so nothing is checked there."""
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) if device.type == "cuda" else None
+    against: what it holds already plus what it can still allocate (``device.free_bytes``).  None off CUDA: a CPU
+    "device" is host RAM shared with everything on the host (page cache, overcommit, swap), no budget, so nothing
+    is checked there."""
+    return torch.cuda.memory_allocated(device) + free_bytes(device) if device.type == "cuda" else None
 
 
 def _reset_state_set_up_without_backend() -> None:

@@ -2,8 +2,8 @@
 
 Accelerate parses the yaml's ``fsdp_config`` (as ``FSDP_*`` variables) into a ``FullyShardedDataParallelPlugin``
 of torch FSDP objects; :func:`options_from_plugin` maps its fields (and accelerate's ``parallelism_config``) onto
-:class:`FullyShardedDataParallel` arguments, plus the ``FLATSHARD_*`` variables for what accelerate has no key for
-(validated in ``accel_flatshard.options``: a typo fails loudly).  Also here, as the one other reader of the
+a frozen :class:`~accel_flatshard.options.FlatShardOptions`, over the ``FLATSHARD_*`` variables (what accelerate has no
+key for; validated in ``accel_flatshard.options``: a typo fails loudly).  Also here, as the one other reader of the
 environment: the plugin built on a host without an accelerator device (:func:`build_plugin_without_device`, and
 the ``__post_init__`` patch behind it), the launcher's world size, and :func:`options_from_launch_args` (what
 ``accel-flatshard plan`` wraps with).
@@ -11,16 +11,15 @@ the ``__post_init__`` patch behind it), the launcher's world size, and :func:`op
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 from unittest import mock
 
 import torch
-import torch.nn as nn
 from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
 from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
 from torch.distributed.fsdp import ShardingStrategy
@@ -28,11 +27,9 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
 from .. import options
-from ..mixed_precision import MixedPrecision
 from ..fully_sharded import wants_offload
-from ..offload import CPUOffload
-from ..unit import BackwardPrefetch
-from ..wrap import Policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from ..mixed_precision import MixedPrecision
+from ..options import BackwardPrefetch, FlatShardOptions
 
 
 def fsdp_version(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> int:
@@ -44,43 +41,6 @@ def fsdp_version(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> in
         raise ValueError(f"the accelerate config asks for fsdp_version {version}; accelerate knows 1 and 2, and "
                          "accel_flatshard accepts both (set `fsdp_version: 1` or `2` in fsdp_config)")
     return version
-
-
-@dataclass
-class FlatShardOptions:
-    """Everything :class:`~accel_flatshard.integrations.accelerate.Accelerator` needs to wrap a model."""
-
-    reshard_after_forward: bool = True
-    fsdp_group_size: Optional[int] = None
-    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE  # the wrapper's defaults; a
-    forward_prefetch: bool = True  # plugin's values (the yaml's fsdp_*_prefetch keys) replace them
-    wrap: str = "none"  # "transformer" | "size" | "none" | "custom"
-    layer_cls_names: Optional[List[str]] = None  # transformer: None -> the model's _no_split_modules
-    min_num_params: int = 0
-    custom_policy: Optional[Policy] = None
-    state_dict_type: str = "FULL_STATE_DICT"
-    activation_checkpointing: bool = False
-    cpu_ram_efficient_loading: bool = False
-    sync_module_states: bool = True
-    mixed_precision: Optional[MixedPrecision] = None
-    limit_all_gathers: int = 2
-    offload_params: bool = False  # fsdp_offload_params: shards, gradients, optimizer state in host memory
-
-    def auto_wrap_policy(self, model: nn.Module) -> Optional[Policy]:
-        """The policy for ``model``; an unknown layer class raises ``ValueError`` naming the classes present."""
-        if self.wrap == "transformer":
-            return transformer_auto_wrap_policy(model, self.layer_cls_names)
-        if self.wrap == "size":
-            return size_based_auto_wrap_policy(self.min_num_params) if self.min_num_params > 0 else None
-        return self.custom_policy if self.wrap == "custom" else None
-
-    def wrapper_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments for :class:`FullyShardedDataParallel` (without the policy)."""
-        return dict(reshard_after_forward=self.reshard_after_forward, backward_prefetch=self.backward_prefetch,
-                    forward_prefetch=self.forward_prefetch, fsdp_group_size=self.fsdp_group_size,
-                    mixed_precision=self.mixed_precision, sync_module_states=self.sync_module_states,
-                    limit_all_gathers=self.limit_all_gathers,
-                    cpu_offload=CPUOffload(offload_params=self.offload_params))
 
 
 def options_from_plugin(
@@ -96,25 +56,27 @@ def options_from_plugin(
     environ = os.environ if environ is None else environ
     options.check_environment(environ)
     version = fsdp_version(plugin, environ)
-    opts = FlatShardOptions()
+    given = FlatShardOptions.from_environment(environ)  # the FLATSHARD_* variables; the plugin's keys override
+    opts: Dict[str, Any] = {}
 
     strategy = _sharding_strategy(plugin, environ)
-    group_size = options.get("FLATSHARD_GROUP_SIZE", environ)
+    group_size = given.group_size
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    opts.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    opts["reshard_after_forward"] = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    opts["group_size"] = None
     if parallelism is not None:
-        opts.fsdp_group_size = _layout_group_size(parallelism, strategy, group_size)
-        opts.reshard_after_forward &= opts.fsdp_group_size > 1
+        opts["group_size"] = _layout_group_size(parallelism, strategy, group_size)
+        opts["reshard_after_forward"] &= opts["group_size"] > 1
         group_size = None  # checked against the layout
     elif hybrid:
         # torch FSDP's HYBRID_SHARD shards inside a node and replicates across nodes: same default here
         local = environ.get("LOCAL_WORLD_SIZE") or None  # set by the launcher
         if group_size is None and local is not None and not (local.strip().isdigit() and int(local) >= 1):
             raise ValueError(f"LOCAL_WORLD_SIZE={local!r} must be a positive integer")
-        opts.fsdp_group_size = group_size or (None if local is None else int(local))
+        opts["group_size"] = group_size or (None if local is None else int(local))
     elif strategy == ShardingStrategy.NO_SHARD:
-        opts.fsdp_group_size = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
-        opts.reshard_after_forward = False
+        opts["group_size"] = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
+        opts["reshard_after_forward"] = False
     if group_size is not None and not hybrid:
         raise ValueError(
             f"FLATSHARD_GROUP_SIZE={group_size} is set but fsdp_sharding_strategy is {strategy.name}; "
@@ -124,47 +86,43 @@ def options_from_plugin(
     # always prefetches the next unit in backward: the same here.  FSDP1: None is the yaml's NO_PREFETCH (or no key)
     prefetch = TorchPrefetch.BACKWARD_PRE if version == 2 else getattr(plugin, "backward_prefetch", None)
     name = prefetch.name if isinstance(prefetch, (TorchPrefetch, BackwardPrefetch)) else str(prefetch).upper()
-    opts.backward_prefetch = None if prefetch is None or name == "NO_PREFETCH" else BackwardPrefetch[name]
-    opts.forward_prefetch = bool(getattr(plugin, "forward_prefetch", False))
+    opts["backward_prefetch"] = None if prefetch is None or name == "NO_PREFETCH" else BackwardPrefetch[name]
+    opts["forward_prefetch"] = bool(getattr(plugin, "forward_prefetch", False))
 
     policy = getattr(plugin, "auto_wrap_policy", None)
     base = getattr(policy, "func", policy)  # set_auto_wrap_policy may already have made it a partial
     if base is torch_transformer_policy:
-        opts.wrap = "transformer"
+        opts["auto_wrap"] = "transformer"
         bound = getattr(policy, "keywords", {}).get("transformer_layer_cls")  # a partial made by hand
         names = [c.__name__ for c in bound] if bound else getattr(plugin, "transformer_cls_names_to_wrap", None)
         if isinstance(names, str):
             names = names.split(",")
         names = [n.strip() for n in names or [] if n and n.strip()]
-        opts.layer_cls_names = names or None
+        opts["layer_cls_names"] = names or None
     elif base is torch_size_policy:
-        opts.wrap = "size"
+        opts["auto_wrap"] = "size"
         bound = getattr(policy, "keywords", {}).get("min_num_params")
-        opts.min_num_params = int(bound if bound is not None else getattr(plugin, "min_num_params", 0) or 0)
+        opts["min_num_params"] = int(bound if bound is not None else getattr(plugin, "min_num_params", 0) or 0)
     elif callable(policy):
-        opts.wrap, opts.custom_policy = "custom", policy  # torch-signature policies work unchanged
-    elif policy is not None:  # (None: opts.wrap stays "none")
+        opts["auto_wrap"], opts["custom_policy"] = "custom", policy  # torch-signature policies work unchanged
+    elif policy is not None:  # (None: auto_wrap stays "none")
         raise ValueError(f"unsupported fsdp auto_wrap_policy {policy!r}")
 
-    opts.state_dict_type = state_dict_type_name(plugin)
+    opts["state_dict_type"] = state_dict_type_name(plugin)
 
     # FSDP1: CPUOffload(offload_params=...); FSDP2: OffloadPolicy() (off) or CPUOffloadPolicy (on)
-    opts.offload_params = wants_offload(getattr(plugin, "cpu_offload", None))
+    opts["offload_params"] = wants_offload(getattr(plugin, "cpu_offload", None))
     if getattr(plugin, "ignored_modules", None):
         raise ValueError("fsdp_ignored_modules is not supported by accel_flatshard; remove it from fsdp_config")
     if getattr(plugin, "activation_checkpointing_offload", False):
         raise ValueError("fsdp_activation_checkpointing_offload is not supported by accel_flatshard (FSDP2 only)")
-    opts.activation_checkpointing = bool(getattr(plugin, "activation_checkpointing", False))
-    opts.cpu_ram_efficient_loading = bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+    opts["activation_checkpointing"] = bool(getattr(plugin, "activation_checkpointing", False))
+    opts["cpu_ram_efficient_loading"] = efficient = bool(getattr(plugin, "cpu_ram_efficient_loading", False))
     sync = getattr(plugin, "sync_module_states", None)
     # Ranks > 0 hold no real weights under cpu_ram_efficient_loading: rank 0 must broadcast them.
-    opts.sync_module_states = True if sync is None or opts.cpu_ram_efficient_loading else bool(sync)
-
-    opts.mixed_precision = _mixed_precision(plugin, mixed_precision, environ)
-    limit = options.get("FLATSHARD_LIMIT_ALL_GATHERS", environ)
-    if limit is not None:
-        opts.limit_all_gathers = limit
-    return opts
+    opts["sync_module_states"] = True if sync is None or efficient else bool(sync)
+    opts["mixed_precision"] = _mixed_precision(plugin, mixed_precision, environ)
+    return dataclasses.replace(given, **opts)
 
 
 def requested_parallelism_config(params: Mapping[str, Any]) -> Any:
@@ -250,22 +208,22 @@ def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     return strategy or ShardingStrategy.FULL_SHARD
 
 
-def normalize_plugin_to_fsdp1(plugin: Any, options: FlatShardOptions) -> None:
+def normalize_plugin_to_fsdp1(plugin: Any, opts: FlatShardOptions) -> None:
     """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place:
     accelerate and transformers branch on ``accelerator.is_fsdp2`` into torch-FSDP2-only code (``fully_shard``,
     DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls."""
     if getattr(plugin, "fsdp_version", 1) != 2:
         return
-    strategy = (ShardingStrategy.NO_SHARD if options.fsdp_group_size == 1 else
-                ShardingStrategy.FULL_SHARD if options.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP)
+    strategy = (ShardingStrategy.NO_SHARD if opts.group_size == 1 else
+                ShardingStrategy.FULL_SHARD if opts.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP)
     plugin.fsdp_version = 1
     plugin.sharding_strategy = plugin.reshard_after_forward = strategy
-    prefetch = options.backward_prefetch
+    prefetch = opts.backward_prefetch
     plugin.backward_prefetch = None if prefetch is None else TorchPrefetch[prefetch.name]
-    plugin.forward_prefetch = options.forward_prefetch
-    plugin.sync_module_states = options.sync_module_states
+    plugin.forward_prefetch = opts.forward_prefetch
+    plugin.sync_module_states = opts.sync_module_states
     plugin.use_orig_params = True
-    plugin.cpu_offload = TorchCPUOffload(offload_params=options.offload_params)
+    plugin.cpu_offload = TorchCPUOffload(offload_params=opts.offload_params)
 
 
 def _mixed_precision(plugin: Any, mixed_precision: str, environ: Mapping[str, str]) -> Optional[MixedPrecision]:

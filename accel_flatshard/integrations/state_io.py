@@ -41,8 +41,6 @@ from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
 from ..state_dict.optim import full_optim_state_dict, load_full_optim_state_dict
 
-__all__ = ["save_state", "load_state", "wait_for_saves", "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer",
-           "load_fsdp_optimizer", "state_dict_type_name"]
 
 logger = logging.getLogger(__name__)
 wait_for_saves = commit.wait_for_saves  # end_training: the save in flight first

@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from ..fully_sharded import FullyShardedDataParallel
 
-__all__ = ["saving_final_model_in_full", "seeing_through_wrapper", "sharding_reference_models"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,6 @@ import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["SUPPORTED", "check_versions", "release", "window_position", "window_text"]
 
 logger = logging.getLogger(__name__)
 

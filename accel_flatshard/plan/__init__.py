@@ -11,16 +11,16 @@ import dataclasses
 import functools
 import itertools
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 
 from .._compat import map_tensors, tensors_in
 from ..flat_param import FlatParamLayout
-from ..fully_sharded import _assign_owners
-from ..integrations.config import FlatShardOptions
-from ..wrap import select_units
+from ..fully_sharded import assign_owners
+from ..options import BackwardPrefetch, FlatShardOptions
+from ..wrap import policy_of, select_units
 from . import run
 from .run import Prediction
 from .trace import _copy
@@ -31,40 +31,53 @@ HARDWARE = {"flops": 300e12, "intra_node": 150e9, "inter_node": 25e9, "pcie": 25
             "unit_pass_s": 50e-6}
 
 
+# the options the recommendation varies (the others stay the launch's)
+VARIED = ("reshard_after_forward", "group_size", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
+          "activation_checkpointing", "offload_params")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The knobs of a run that change its memory (what the recommendation varies)."""
+    """A run: the model's options (the recommendation varies ``reshard_after_forward``, ``group_size``, the
+    prefetches, ``limit_all_gathers``, ``activation_checkpointing`` and ``offload_params``, each a ``replace()`` of
+    the launch's) and the per-device micro-batch with its accumulation ("none", "no_sync": accelerate's default,
+    or "sync_each_batch")."""
 
-    reshard_after_forward: bool = True  # FULL_SHARD / HYBRID_SHARD; False: SHARD_GRAD_OP / _HYBRID_SHARD_ZERO2
-    shard_size: int = 1  # ranks a parameter is sharded over (W, or the hybrid group size)
-    forward_prefetch: bool = True
-    backward_prefetch: Optional[str] = "BACKWARD_PRE"  # or "BACKWARD_POST", None
-    limit_all_gathers: int = 2
-    checkpointing: bool = False
-    offload: bool = False
+    options: FlatShardOptions
     micro_batch: int = 1
-    accumulation: str = "none"  # micro-batch < batch: "no_sync" (accelerate's default) or "sync_each_batch"
+    accumulation: str = "none"
 
-    @classmethod
-    def of(cls, opts: FlatShardOptions, world_size: int, micro_batch: int) -> "Config":
-        prefetch = opts.backward_prefetch.name if opts.backward_prefetch else None
-        return cls(opts.reshard_after_forward, opts.fsdp_group_size or world_size, opts.forward_prefetch, prefetch,
-                   opts.limit_all_gathers, opts.activation_checkpointing, opts.offload_params, micro_batch)
+    def replace(self, **settings: Any) -> "Config":
+        """This run with some of its options changed."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **settings))
+
+    def knobs(self) -> Dict[str, Any]:
+        """What the recommendation varies, by name (the options' and the batch's)."""
+        o = self.options
+        return {**{name: getattr(o, name) for name in VARIED}, "backward_prefetch": o.backward_prefetch and
+                o.backward_prefetch.name, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks a parameter is sharded over: the world, or the hybrid group size."""
+        return self.options.group_size or world_size
 
     def strategy(self, world_size: int) -> str:
-        if self.shard_size == 1 and world_size > 1:
+        G, reshard = self.shard_size(world_size), self.options.reshard_after_forward
+        if G == 1 and world_size > 1:
             return "NO_SHARD"
-        if self.shard_size < world_size:
-            return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
-        return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
+        if G < world_size:
+            return "HYBRID_SHARD" if reshard else "_HYBRID_SHARD_ZERO2"
+        return "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
 
     def describe(self, world_size: int) -> str:
-        prefetch = "+".join(filter(None, ["forward" if self.forward_prefetch else "", self.backward_prefetch])) or "off"
+        o = self.options
+        backward = o.backward_prefetch.name if o.backward_prefetch else None
+        prefetch = "+".join(filter(None, ["forward" if o.forward_prefetch else "", backward])) or "off"
         onoff = lambda flag: "on" if flag else "off"  # noqa: E731
         accumulation = f" ({self.accumulation})" if self.accumulation != "none" else ""
-        return (f"{self.strategy(world_size)} group {self.shard_size}, prefetch {prefetch}, limit_all_gathers "
-                f"{self.limit_all_gathers}, AC {onoff(self.checkpointing)}, offload {onoff(self.offload)}, micro-batch "
-                f"{self.micro_batch}{accumulation}")
+        return (f"{self.strategy(world_size)} group {self.shard_size(world_size)}, prefetch {prefetch}, "
+                f"limit_all_gathers {o.limit_all_gathers}, AC {onoff(o.activation_checkpointing)}, offload "
+                f"{onoff(o.offload_params)}, micro-batch {self.micro_batch}{accumulation}")
 
 
 class Planner:
@@ -83,12 +96,12 @@ class Planner:
         self.param_dtype, self.reduce_dtype = (mp.param_dtype, mp.effective_reduce_dtype) if mp else (None, None)
         model = build()
         self.class_name, self.numel = type(model).__name__, sum(p.numel() for p in model.parameters())
-        units = select_units(model, options.auto_wrap_policy(model))
+        units = select_units(model, policy_of(options, model))
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.names = [names[id(m)] or "<root>" for m in units]
         # the flat parameters the wrapper builds: fqns, shapes, dtype, requires_grad
         self._flats = [(fqns, [p.shape for p in ps], ps[0].dtype, ps[0].requires_grad)
-                       for groups in _assign_owners(model, units)[0].values() for ps, fqns, _ in groups]
+                       for groups in assign_owners(model, units)[0].values() for ps, fqns, _ in groups]
         for name in ("sizes", "predict"):  # computed once per planner and argument
             setattr(self, name, functools.lru_cache(maxsize=None)(getattr(self, name)))
 
@@ -116,19 +129,20 @@ def step_time(planner: Planner, cfg: Config) -> float:
     under no_sync) over the shard group's link, the replicas' all-reduce between nodes, offload's copies
     over PCIe, and a fixed cost per unit and pass; the optimizer step on the host with offload.  Prefetch
     hides communication behind compute (limit_all_gathers 1: half of it)."""
-    hw, size = HARDWARE, planner.sizes(cfg.shard_size)
-    G, W, steps = cfg.shard_size, planner.world_size, planner.batch_size // cfg.micro_batch
+    hw, o, W = HARDWARE, cfg.options, planner.world_size
+    G, steps, checkpointing = cfg.shard_size(W), planner.batch_size // cfg.micro_batch, o.activation_checkpointing
+    size = planner.sizes(G)
     rate = hw["flops"] / (4 if (planner.param_dtype or torch.float32) == torch.float32 else 1)
-    compute = (6 + 2 * cfg.checkpointing) * planner.numel * cfg.micro_batch * planner.tokens / rate
+    compute = (6 + 2 * checkpointing) * planner.numel * cfg.micro_batch * planner.tokens / rate
     link = hw["intra_node"] if G <= max(1, W // planner.num_machines) else hw["inter_node"]
-    passes = 2 if cfg.reshard_after_forward else 1
+    passes = 2 if o.reshard_after_forward else 1
     gather = passes * size["gathered"] * (G - 1) / G / link
     reduce = size["full_reduce"] * (G - 1) / G / link + 2 * size["shard_reduce"] * (1 - G / W) / hw["inter_node"]
-    copies = (passes + 1) * size["shard"] / hw["pcie"] if cfg.offload else 0
-    overlap = (1.0 if cfg.limit_all_gathers > 1 else 0.5) if cfg.forward_prefetch or cfg.backward_prefetch else 0.0
+    copies = (passes + 1) * size["shard"] / hw["pcie"] if o.offload_params else 0
+    overlap = (1.0 if o.limit_all_gathers > 1 else 0.5) if o.forward_prefetch or o.backward_prefetch else 0.0
     comm = steps * (gather + copies) + (1 if cfg.accumulation == "no_sync" else steps) * reduce
-    host = 2 * size["trainable_shard"] / hw["host_step"] if cfg.offload else 0  # (AdamW's state: two moments)
-    fixed = steps * 3 * len(planner.names) * hw["unit_pass_s"] * (1 + cfg.checkpointing / 3)
+    host = 2 * size["trainable_shard"] / hw["host_step"] if o.offload_params else 0  # (AdamW's state: two moments)
+    fixed = steps * 3 * len(planner.names) * hw["unit_pass_s"] * (1 + checkpointing / 3)
     return steps * compute + max(0.0, comm - overlap * steps * compute) + host + fixed
 
 
@@ -142,13 +156,17 @@ def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tupl
                for acc in (("none",) if m == B else ("no_sync", "sync_each_batch"))]
     knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
                               (False, True) if planner.device == "cuda" else (False,), batches)
-    tried = [Config(reshard, g, prefetch, "BACKWARD_PRE" if prefetch else None, limit, ac, offload, mb, acc)
-             for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
+    launched = Config(planner.options)
+    tried = [dataclasses.replace(launched.replace(
+        reshard_after_forward=reshard, group_size=g if g < W else None, forward_prefetch=prefetch,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None, limit_all_gathers=limit,
+        activation_checkpointing=ac, offload_params=offload), micro_batch=mb, accumulation=acc)
+        for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
     fits: Dict[Config, Tuple[Config, Prediction, float]] = {}
     for t, c in sorted(((step_time(planner, c), c) for c in tried), key=lambda r: r[0]):
-        kind = dataclasses.replace(c, forward_prefetch=True, backward_prefetch=None, limit_all_gathers=0)
+        kind = c.replace(forward_prefetch=True, backward_prefetch=None, limit_all_gathers=1)
         # (prefetch and more gathers in flight only add buffers: when a kind's leanest form does not fit, none does)
-        leanest = dataclasses.replace(c, forward_prefetch=False, backward_prefetch=None, limit_all_gathers=1)
+        leanest = c.replace(forward_prefetch=False, backward_prefetch=None, limit_all_gathers=1)
         if kind not in fits and len(fits) < limit and planner.predict(leanest).peak_bytes <= device_memory \
                 and planner.predict(c).peak_bytes <= device_memory:
             fits[kind] = (c, planner.predict(c), t)
@@ -157,13 +175,15 @@ def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tupl
 
 def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
     """What to set for ``cfg``: the yaml's fsdp_config keys, FLATSHARD_* variables, batch and accumulation."""
+    o, G = cfg.options, cfg.shard_size(world_size)
     out = [f"fsdp_sharding_strategy: {cfg.strategy(world_size)}",
-           f"fsdp_backward_prefetch: {cfg.backward_prefetch or 'NO_PREFETCH'}",
-           f"fsdp_forward_prefetch: {str(cfg.forward_prefetch).lower()}",
-           f"fsdp_activation_checkpointing: {str(cfg.checkpointing).lower()}",
-           f"fsdp_offload_params: {str(cfg.offload).lower()}", f"FLATSHARD_LIMIT_ALL_GATHERS={cfg.limit_all_gathers}"]
-    if 1 < cfg.shard_size < world_size:
-        out.append(f"FLATSHARD_GROUP_SIZE={cfg.shard_size}")
+           f"fsdp_backward_prefetch: {o.backward_prefetch.name if o.backward_prefetch else 'NO_PREFETCH'}",
+           f"fsdp_forward_prefetch: {str(o.forward_prefetch).lower()}",
+           f"fsdp_activation_checkpointing: {str(o.activation_checkpointing).lower()}",
+           f"fsdp_offload_params: {str(o.offload_params).lower()}",
+           f"FLATSHARD_LIMIT_ALL_GATHERS={o.limit_all_gathers}"]
+    if 1 < G < world_size:
+        out.append(f"FLATSHARD_GROUP_SIZE={G}")
     steps = batch_size // cfg.micro_batch
     sync = ("GradientAccumulationPlugin(num_steps=..., sync_each_batch=True)" if cfg.accumulation == "sync_each_batch"
             else "accelerate's default no_sync until the last micro-step")
@@ -182,7 +202,7 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
     """``prepare`` (CUDA): at the first forward (its inputs give the batch), warn once if this rank's predicted peak
     (``skeleton``: :func:`meta_copy` before wrapping) exceeds ``available_bytes(device)``, naming what fits.  Not an
     error: the prediction may be pessimistic."""
-    device = wrapped._schedule.device
+    device = wrapped.schedule.device
 
     def check(module: nn.Module, args: Any, kwargs: Any) -> None:
         handle.remove()
@@ -198,7 +218,7 @@ def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: Fla
                 return map_tensors(like, tuple(args)), {**map_tensors(like, kwargs), **masks}
             planner = Planner(lambda: meta_copy(skeleton), options, world_size, rows, batch, device.type, autocast,
                               tokens=tensors[0].numel() // rows if tensors else 1)
-            predicted, available = planner.predict(Config.of(options, world_size, rows)), available_bytes(device)
+            predicted, available = planner.predict(Config(options, rows)), available_bytes(device)
             if predicted.peak_bytes <= available:
                 return
             fits = recommend(planner, available, limit=1)

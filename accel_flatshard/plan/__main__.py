@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import inspect
 import json
@@ -63,7 +62,8 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
 def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
     """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
     pred, W = planner.predict(cfg), planner.world_size
-    other = planner.predict(dataclasses.replace(cfg, checkpointing=not cfg.checkpointing))  # (for the comparison)
+    checkpointing = cfg.options.activation_checkpointing
+    other = planner.predict(cfg.replace(activation_checkpointing=not checkpointing))  # (for the comparison)
     steps = planner.batch_size // cfg.micro_batch
     out: Dict[str, Any] = {
         "model": f"{planner.class_name}, {planner.numel / 1e6:,.2f} M parameters in {len(planner.names)} units "
@@ -71,13 +71,13 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         "config": f"{cfg.describe(W)}{f' x {steps} accumulation steps' if steps > 1 else ''}; {W} ranks, compute in "
                   f"{str(planner.param_dtype or 'torch.float32')[6:]}, {planner.device}",
         "peak_bytes": pred.peak_bytes, "where": pred.where, "at_peak": pred.parts,
-        "activations_saved_for_backward": {"without_checkpointing": (other if cfg.checkpointing else pred).saved,
-                                           "with_checkpointing": (pred if cfg.checkpointing else other).saved}}
+        "activations_saved_for_backward": {"without_checkpointing": (other if checkpointing else pred).saved,
+                                           "with_checkpointing": (pred if checkpointing else other).saved}}
     out.update({"host_async_save_snapshot_bytes": pred.snapshot} if pred.snapshot else {})
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
-    out.update(device_memory=device_memory, fits=[dict(dataclasses.asdict(c), strategy=c.strategy(W),
+    out.update(device_memory=device_memory, fits=[dict(c.knobs(), strategy=c.strategy(W),
                description=c.describe(W), peak_bytes=p.peak_bytes, where=p.where, step_time_s=t) for c, p, t in rows],
                cost_model=" ".join(step_time.__doc__.split()) + " Assumed: " + ", ".join(
                    f"{k} {v:.3g}" for k, v in HARDWARE.items()))
@@ -86,7 +86,7 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         # released by then) and a training forward's activations (a bound for generation's and its KV cache)
         best, parts = rows[0][0], rows[0][1].parts
         budget = device_memory - sum(parts[kind] for kind in PERSISTENT) - rows[0][1].saved
-        whole = planner.sizes(best.shard_size)["gathered"]
+        whole = planner.sizes(best.shard_size(W))["gathered"]
         out["recommended"] = settings(best, W, planner.batch_size) + [
             f"RL generation: FLATSHARD_GENERATION_BUDGET_MB={max(0, budget) // 2**20} (the whole model gathered is "
             f"{whole / 2**20:,.1f} MiB; within the budget generate() gathers it once)"]
@@ -167,7 +167,7 @@ def planned(args: argparse.Namespace, launch: List[str]) -> Tuple[Planner, Confi
     planner = Planner(build, options, W, args.batch_size * steps, batch, device,
                       launched.mixed_precision in ("bf16", "fp16"), optimizer, launched.num_machines, seq or 1)
     accumulation = (args.accumulation or "no_sync") if steps > 1 else "none"  # (accelerate's default: no_sync)
-    return planner, dataclasses.replace(Config.of(options, W, args.batch_size), accumulation=accumulation)
+    return planner, Config(options, args.batch_size, accumulation)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -16,12 +16,12 @@ from .. import options as environment
 from .._compat import FakeTensorMode, fake_world, map_tensors, storage_key, tensors_in
 from ..checkpoint.commit import snapshot_bytes
 from ..checkpoint.sharded import model_entries, optimizer_entries
-from ..engine import ADAPTER, CudaStreams, HostAdapter
+from ..device import ADAPTER, CudaStreams, HostAdapter
 from ..fully_sharded import FullyShardedDataParallel
 from ..state_dict.model import full_state_dict
 from ..state_dict.optim import full_optim_state_dict
-from ..unit import BackwardPrefetch, UnitState
-from ..wrap import checkpoint_units
+from ..unit import UnitState
+from ..wrap import checkpoint_units, policy_of
 from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
 
 
@@ -35,11 +35,26 @@ class Prediction:
 
 
 class _Gloo(HostAdapter):
-    """Gloo's adapter; the engine's notes of lifetimes (gathered buffers, full gradients) go to the trace."""
+    """Gloo's adapter; the lifetimes of gathered buffers (grown and freed, not made by ops) and the full gradients
+    handed to reductions go to the trace."""
 
     def __init__(self, device: torch.device, trace: _Trace, **kwargs: Any) -> None:
-        self.trace, self.note_alloc, self.note_free = trace, trace.note_alloc, trace.note_free
+        self.trace = trace
         super().__init__(device, **kwargs)
+
+    def alloc_gathered(self, flat: Any) -> torch.Tensor:
+        out = super().alloc_gathered(flat)
+        self.trace.note_alloc(out, "unsharded")
+        return out
+
+    def release(self, flat: Any) -> None:
+        super().release(flat)
+        self.trace.note_free(flat)
+
+    def reduction_input(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        full = super().reduction_input(grad, dtype)
+        self.trace.note_alloc(full, "full_grad")
+        return full
 
 
 class _Numbered:
@@ -92,11 +107,9 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
     """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where."""
     cuda = planner.device == "cuda"
     trace, best = _Trace(cuda=cuda), Prediction(0, "", {})
-    opts = dataclasses.replace(
-        planner.options, reshard_after_forward=cfg.reshard_after_forward, forward_prefetch=cfg.forward_prefetch,
-        fsdp_group_size=cfg.shard_size if cfg.shard_size < planner.world_size else None, sync_module_states=False,
-        backward_prefetch=BackwardPrefetch[cfg.backward_prefetch] if cfg.backward_prefetch else None,
-        limit_all_gathers=cfg.limit_all_gathers, activation_checkpointing=cfg.checkpointing, offload_params=cfg.offload)
+    group = cfg.shard_size(planner.world_size)
+    opts = dataclasses.replace(cfg.options, group_size=group if group < planner.world_size else None,
+                               sync_module_states=False)
     real = _as_call(planner.make_batch(cfg.micro_batch))  # (held through the step, as by the caller)
     trace.add_real([v for k, v in real[1].items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)
                     and not v.is_floating_point()])
@@ -107,9 +120,9 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
                 FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
             model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
-            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=opts.auto_wrap_policy(model),
-                                               device_id="cpu", **opts.wrapper_kwargs())
-            if cfg.checkpointing:
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy_of(opts, model), device_id="cpu",
+                                               options=opts)
+            if opts.activation_checkpointing:
                 checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
             trace.known.update(storage_key(f.unsharded) for f in wrapped.flat_params)
             trace.hold([f.local_shard for f in wrapped.flat_params] + list(wrapped.buffers()))
@@ -165,7 +178,7 @@ def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) ->
     for f in wrapped.flat_params:
         trace.relabel(f.sharded_grad, "gradient shards"), trace.relabel(f.unsharded.grad, "full gradients")
     best.peak_bytes, best.parts = trace.peak, {kind: trace.kinds[kind] for kind in PARTS}
-    schedule = wrapped._schedule  # (the innermost unit running: the first of the order in backward, last in forward)
+    schedule = wrapped.schedule  # (the innermost unit running: the first of the order in backward, last in forward)
     phase, state = ("backward", UnitState.BACKWARD) if schedule.in_backward else ("forward", UnitState.FORWARD)
     busy = [u.name for u in (schedule.recorded_order or schedule.units) if not u.is_root and u.state is state]
     best.where = trace.kind if trace.kind == "optimizer step" else \

@@ -32,8 +32,6 @@ from .. import comm, options
 from ..checkpoint.format import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
 from ..flat_param import gather_full  # (also for optim.py, which imports it from here)
 
-__all__ = ["install", "find_wrapper", "local_slices", "ModelIndex", "gather_full", "full_state_dict",
-           "load_full_state_dict", "LoadResult"]
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
 # how long ranks other than 0 wait for rank 0 (which often arrives late: it writes config files first)
@@ -46,12 +44,15 @@ LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_k
 # ---------------------------------------------------------------------- which wrapper shards a module
 class ShardedModuleRecord:
     """The wrapper of a sharded module (the module's parameters stay shards as long as it lives, so the wrapper
-    that can gather them must live as long), its ``ensure_idle``, the gloo rendezvous group, the slices depth."""
+    that can gather them must live as long), its schedule, the gloo rendezvous group, the slices depth."""
 
-    def __init__(self, wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None]) -> None:
+    def __init__(self, wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None],
+                 is_summoned: Callable[[], bool]) -> None:
         self.wrapper = lambda: wrapper
         self.module, self.units = wrapper.module, units  # what the state-dict and checkpoint code reads
-        self.ensure_idle = ensure_idle  # handed down by the wrapper: refuse during forward/backward, drain
+        # handed down by the wrapper (state_dict/ sits below the schedule): ``ensure_idle(what)`` refuses during
+        # forward/backward and drains; ``is_summoned()``: the parameters are full now
+        self.ensure_idle, self.is_summoned = ensure_idle, is_summoned
         self.local_depth = 0  # > 0 while a caller wants this rank's slices
         self.group = group = wrapper.shard_group
         # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
@@ -72,10 +73,13 @@ class ShardedModuleRecord:
         return copy
 
 
-def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None]) -> None:
-    """Record ``wrapper`` (its module and ``units``) on itself and its module and make the module's ``state_dict()``
-    the full one (collective at wrap time: it creates a gloo group over the model's ranks)."""
-    wrapper.__dict__[_ATTR] = wrapper.module.__dict__[_ATTR] = ShardedModuleRecord(wrapper, units, ensure_idle)
+def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None],
+            is_summoned: Callable[[], bool]) -> None:
+    """Record ``wrapper`` (its module and ``units``, and its schedule's ``ensure_idle`` and ``is_summoned``) on itself
+    and its module and make the module's ``state_dict()`` the full one (collective at wrap time: it creates a gloo
+    group over the model's ranks)."""
+    record = ShardedModuleRecord(wrapper, units, ensure_idle, is_summoned)
+    wrapper.__dict__[_ATTR] = wrapper.module.__dict__[_ATTR] = record
     wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
 
 
@@ -314,7 +318,7 @@ def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix:
     """The state-dict post-hook on the user's module: replaces this rank's slices by the full values."""
     record = record_of(module)
     wrapper = record.wrapper() if record is not None else None
-    if wrapper is None or record.local_depth > 0 or wrapper._schedule.is_summoned:
+    if wrapper is None or record.local_depth > 0 or record.is_summoned():
         return
     full = full_state_dict(wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
     if record.group.world_rank == 0:
@@ -335,7 +339,7 @@ def load_state_dict(wrapper: nn.Module, state_dict: Optional[Dict[str, Any]], st
     """The wrapper's ``load_state_dict``: a full dict, resharded (collective outside ``summon_full_params``)."""
     if assign:
         raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
-    if wrapper._schedule.is_summoned:
+    if record_of(wrapper).is_summoned():
         return wrapper.module.load_state_dict(state_dict, strict=strict)
     rank = wrapper.shard_group.world_rank
     given = state_dict if (state_dict or rank == 0) else None  # rank 0's state_dict() result elsewhere is {}

@@ -26,8 +26,6 @@ from .. import comm
 from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
 from .model import ModelIndex, ParamInfo, gather_full, plan_where_given
 
-__all__ = ["full_optim_state_dict", "load_full_optim_state_dict", "optim_state_dict_to_torch",
-           "optim_state_dict_from_torch"]
 
 SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
 _SKIP_GROUP_KEYS = ("params", "param_names")

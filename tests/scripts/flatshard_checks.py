@@ -5,6 +5,7 @@ Launched by tests/test_accelerate_errors.py with a yaml that asks for ``fsdp_ver
 records the error message it got; the main process writes them to ``--output_json``.
 """
 import argparse
+import dataclasses
 import json
 import os
 
@@ -57,7 +58,7 @@ def main():
 
     # 3. the yaml names a layer class the model does not have (GPT2Block,NoSuchBlock)
     expect_error(results, "unknown_layer_class", lambda: accelerator.prepare(gpt2()), ValueError)
-    accelerator.flatshard_options.layer_cls_names = ["GPT2Block"]
+    accelerator.flatshard_options = dataclasses.replace(accelerator.flatshard_options, layer_cls_names=["GPT2Block"])
 
     # 4. models wrapped by torch DDP / torch fully_shard (torch FSDP1 refuses to build on CPU; its
     #    isinstance check is covered by test_accelerate_config.py)

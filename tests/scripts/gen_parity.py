@@ -77,8 +77,8 @@ def main():
         result["num_flats"] = len(model.flat_params)
         budget = total // 2
         result["budget"] = budget
-        modes = [("full", {"mode": "full"}), ("budget", {"mode": "budget", "budget_bytes": budget}),
-                 ("auto", {"mode": "budget", "budget_bytes": None}), ("per_unit", {"mode": "per_unit"})]
+        modes = [("full", {"generation_mode": "full"}), ("budget", {"generation_mode": "budget", "generation_budget_mb": budget / 2**20}),
+                 ("auto", {"generation_mode": "budget", "generation_budget_mb": None}), ("per_unit", {"generation_mode": "per_unit"})]
         for name, options in modes:
             set_generation_options(model, **options)
             counter["n"], held["peak"] = 0, 0
@@ -88,7 +88,7 @@ def main():
             result["plan"][name] = list(control_of(model).last_plan)
             result["tokens"][name] = all_ranks(tokens)
             assert all(not f.unsharded.untyped_storage().nbytes() for f in model.flat_params), f"{name}: units left gathered"
-        set_generation_options(model, mode="budget", budget_bytes=None)
+        set_generation_options(model, generation_mode="budget", generation_budget_mb=None)
         masters = [f.local_shard.clone() for f in model.flat_params]
         for writeback in (False, True):
             with model.summon_full_params(writeback=writeback, recurse=False):

@@ -50,7 +50,7 @@ def main():
         if "one model per Accelerator" not in str(e):
             raise
         model_b = FullyShardedDataParallel(llama, auto_wrap_policy=transformer_auto_wrap_policy(llama),
-                                           **accelerator.flatshard_options.wrapper_kwargs())
+                                           options=accelerator.flatshard_options)
         model_b._is_accelerate_prepared = True
         accelerator._models.append(model_b)
         opt_b = accelerator.prepare(opt_b)

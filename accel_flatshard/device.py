@@ -1,0 +1,263 @@
+"""The device adapter: streams, events and buffers, so that one engine (``engine.py``) runs CUDA and gloo/CPU alike.
+
+Every decision that differs between a stream-ordered device and a host that blocks on work handles is a method of
+the adapter, never a branch in the engine (docs/ARCHITECTURE.md section 5):
+
+* where work runs (:meth:`HostAdapter.side_stream`, :meth:`HostAdapter.on`), what waits
+  (:meth:`HostAdapter.wait_stream`, :meth:`HostAdapter.wait_event`, :meth:`HostAdapter.synchronize`) and what is
+  recorded (:meth:`HostAdapter.record`);
+* how a collective is issued and completed (:meth:`HostAdapter.collective`: a work handle the host waits for, or an
+  event the compute stream waits for), and work that must follow another (:meth:`HostAdapter.after`: issued at
+  once behind an event on CUDA; on the host, issued by :func:`advance` once its input is complete);
+* the gathered buffers' lifetime (:meth:`HostAdapter.alloc_gathered`, :meth:`HostAdapter.free_gathered` and its
+  :meth:`HostAdapter.release`, and the gather rate limit :meth:`HostAdapter.wait_for_freed`), the full gradient
+  handed to a reduction (:meth:`HostAdapter.reduction_input`), host memory for offload and snapshots
+  (:meth:`HostAdapter.host_empty`, :meth:`HostAdapter.to_device`, :meth:`HostAdapter.to_host`), and how much memory
+  is free (:func:`free_bytes`).
+
+:class:`HostAdapter` is gloo/CPU, :class:`CudaStreams` NCCL; the planner's recording adapters (``plan/run.py``) and
+the tests' simulator (``tests/sim_cuda.py``) subclass them and extend ``alloc_gathered``, ``release`` and
+``reduction_input`` to count bytes (each still does the real work).
+``ADAPTER`` sets the adapter class of engines made meanwhile (the planner's).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import os
+from typing import Any, Callable, Deque, Optional
+
+import torch
+
+from ._compat import map_tensors
+from .comm import DONE  # (the adapter issues and waits for comm's collectives)
+from .flat_param import FlatParameter
+from .profiler import span
+
+# The adapter of engines made meanwhile (default: the device's); the memory planner's records memory (plan/run.py)
+ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", default=None)
+
+# FSDP2's side-stream priority: communication kernels go ahead of queued compute kernels (lower = higher)
+HIGH_PRIORITY = -1
+
+
+class _EventWait:
+    """Completion of work on a side stream: ``wait()`` makes the compute stream wait (host does not block)."""
+
+    __slots__ = ("streams", "event")
+
+    def __init__(self, streams: "CudaStreams", event: Any) -> None:
+        self.streams, self.event = streams, event
+
+    def wait(self) -> None:
+        self.streams.compute_stream().wait_event(self.event)
+
+
+class _HostSync(_EventWait):
+    """Completion of a copy to host memory: ``wait()`` blocks the host (it reads the copy next)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        self.streams.synchronize(self.event)
+
+
+class _WorkWait:
+    """Completion of a gloo collective: ``wait()`` blocks the host; keeps its input alive until then."""
+
+    __slots__ = ("work", "keep")
+
+    def __init__(self, work: Any, keep: Optional[torch.Tensor]) -> None:
+        self.work, self.keep = work, keep
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.keep = None, None
+
+
+class _Later:
+    """Host work that needs another's result: issued by :func:`advance` (or its own ``wait()``) once that is done."""
+
+    __slots__ = ("issue", "started")
+
+    def __init__(self, issue: Callable[[], Any]) -> None:
+        self.issue, self.started = issue, None
+
+    def start(self) -> None:
+        if self.started is None:
+            # (the closure is dropped once run: it may hold the pending reduction that holds this handle, a cycle
+            # that would keep the reduced shard alive until the garbage collector ran)
+            issue, self.issue = self.issue, None
+            self.started = issue() or DONE
+
+    def wait(self) -> None:
+        self.start()
+        self.started.wait()
+
+
+def advance(handle: Any) -> None:
+    """Issue ``handle``'s work now if it waited for another's (host); work issued already is left alone."""
+    if isinstance(handle, _Later):
+        handle.start()
+
+
+def issued(handle: Any) -> bool:
+    """Whether ``handle``'s work was issued (host work that waits for another's is issued by :func:`advance`)."""
+    return handle is not None and (not isinstance(handle, _Later) or handle.started is not None)
+
+
+def free_bytes(device: torch.device) -> int:
+    """What this process can still allocate on ``device``: on CUDA the device's free memory plus what torch's caching
+    allocator holds unused; else the host's MemAvailable."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class HostAdapter:
+    """CPU / gloo: no streams (``None``); collectives are asynchronous work handles that block the host on ``wait()``,
+    and a freed buffer is free at once.  Also the base of :class:`CudaStreams`: moves between host and device,
+    non-blocking (from pinned memory) on CUDA."""
+
+    stream_ordered = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    # no streams or events: the host waits on work handles
+    compute_stream = side_stream = record = _nothing
+    wait_stream = wait_event = synchronize = record_stream = _nothing
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+        """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
+        return _WorkWait(issue(True), keep)
+
+    def after(self, before: Any, stream: Any, issue: Callable[[bool], Any], to_host: bool = False) -> Any:
+        """``issue(async_op)`` (on ``stream``) once ``before`` completed: here when :func:`advance` or ``wait()`` asks,
+        and the engine has completed ``before`` by then (its input exists); ``issue`` returns a work handle (a
+        collective) or None (a copy, done when it returns)."""
+        return _Later(lambda: _WorkWait(issue(True), None))
+
+    # ---- buffers
+    def alloc_gathered(self, flat: FlatParameter) -> torch.Tensor:
+        """Grow ``flat``'s gathered buffer (on the current stream); returns the alias the all-gather writes."""
+        return flat.alloc_unsharded()
+
+    def free_gathered(self, flat: FlatParameter) -> None:
+        """Free ``flat``'s gathered buffer once every reader is done with it (here: now)."""
+        self.release(flat)
+
+    def release(self, flat: FlatParameter) -> None:
+        """Give ``flat``'s gathered buffer back to the allocator (its storage resized to 0 bytes)."""
+        flat.free_unsharded()
+
+    def wait_for_freed(self, limit: int) -> None:
+        """Before another gather: block until at most ``limit`` - 1 freed buffers are still read (CUDA only)."""
+
+    def reduction_input(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The full gradient in the reduce dtype, on the compute stream (``grad`` itself when it has that dtype: the
+        engine owns it and divides it in place)."""
+        return grad.to(dtype)
+
+    def move_inputs(self, args: Any, kwargs: Any) -> Any:
+        """Inputs on another device are moved to the model's (as torch FSDP does at the root)."""
+        move = lambda t: t if t.device == self.device else t.to(self.device, non_blocking=self.stream_ordered)
+        return map_tensors(move, (args, kwargs))
+
+    # CPU offload (offload.py) and host snapshots (checkpoint/commit.py): on CUDA host buffers are pinned, so that
+    # both copies run asynchronously to the host
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=self.stream_ordered)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host -> device on the current stream; the result belongs to that stream."""
+        return host.to(self.device, non_blocking=self.stream_ordered)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Device -> host on the current stream (CUDA: ``out`` is ready once an event recorded behind it is)."""
+        out.copy_(src, non_blocking=self.stream_ordered)
+
+
+class CudaStreams(HostAdapter):
+    """CUDA / NCCL: side streams of the model's device, events, ``record_stream``; ``api`` is ``torch.cuda`` or
+    the tests' simulator (``Stream``, ``Event``, ``current_stream``, ``stream``)."""
+
+    stream_ordered = True
+
+    def __init__(self, device: torch.device, api: Any = None) -> None:
+        super().__init__(device)
+        self.api = api if api is not None else torch.cuda
+        self._side = {}
+        self._free_events: Deque[Any] = collections.deque()  # one per freed gathered buffer the GPU may still read
+
+    def compute_stream(self) -> Any:
+        # the model's device, explicitly: current_stream() without a device is the *current device's* stream
+        return self.api.current_stream(self.device)
+
+    def side_stream(self, role: str) -> Any:
+        if role not in self._side:
+            self._side[role] = self.api.Stream(device=self.device, priority=HIGH_PRIORITY)
+        return self._side[role]
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.api.stream(stream)
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        waiter.wait_stream(producer)
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        waiter.wait_event(event)
+
+    def record(self, stream: Any) -> Any:
+        # blocking: a host that synchronises on it (the gather rate limit, the offload copies) sleeps instead
+        # of spinning a core for the whole wait (README, "CUDA events")
+        event = self.api.Event(blocking=True)
+        event.record(stream)
+        return event
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+        """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on
+        ``stream`` and may be dropped at once (same-stream reuse is ordered)."""
+        with self.on(stream):
+            issue(False)
+            return _EventWait(self, self.record(stream))
+
+    def after(self, before: Any, stream: Any, issue: Callable[[bool], Any], to_host: bool = False) -> Any:
+        """``issue(async_op=False)`` on ``stream`` now, ordered behind ``before``'s event; its completion is an event
+        the compute stream waits for (``to_host``: the host synchronises on it, for copies the host reads)."""
+        self.wait_event(stream, before.event)
+        with self.on(stream):
+            issue(False)
+        return (_HostSync if to_host else _EventWait)(self, self.record(stream))
+
+    def free_gathered(self, flat: FlatParameter) -> None:
+        # allocated on the all-gather stream, read on the compute stream: not reusable before those reads
+        compute = self.compute_stream()
+        self.record_stream(flat.unsharded, compute)
+        self.release(flat)
+        self._free_events.append(self.record(compute))
+
+    def wait_for_freed(self, limit: int) -> None:
+        # so the host cannot run a whole forward ahead and hold a gathered copy of every unit
+        while len(self._free_events) >= limit:
+            with span("all_gather_rate_limit"):
+                self.synchronize(self._free_events.popleft())
