@@ -6,15 +6,17 @@ holding the same shard, size W/G), and runs the engine's collectives with the to
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import weakref
-from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from .options import FlatShardOptions
+from .profiler import mark_sent
 
 
 class _Works:
@@ -47,8 +49,10 @@ class Collectives(Protocol):
     shard_size: int
     is_hybrid: bool
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True) -> Any:
-        """Every rank's ``shard`` into ``output``, in rank order."""
+    def all_gather(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], async_op: bool = True,
+                   kind: str = "other gather", in_node: bool = False) -> Any:
+        """Every rank's ``shards[i]`` into ``outputs[i]``, in rank order, as one collective (``in_node``: within the
+        node group; ``kind`` labels the bytes)."""
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Any:
         """The sum of every rank's ``full``, this rank's part into ``output``."""
@@ -60,13 +64,25 @@ _all_gather_flat: Callable = getattr(dist, "all_gather_single", None) or dist.al
 _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Members(NamedTuple):
+    """A process group as the collectives use it: the group, its size, this rank's index in it, and how many of the
+    other members run on this rank's machine (the rest send across machines)."""
+
+    group: Any
+    size: int
+    rank: int
+    on_node: int
+
+
 class ShardGroup:
     """The shard group and optional replica group of one wrapped model.
 
     ``options.group_size`` None (or the world size) shards over every rank of ``process_group``; G builds W/G shard
     groups of G consecutive ranks and G replica groups joining rank ``i`` of each (HYBRID_SHARD).  ``shard_size`` is
     the shard group's size.  The collective settings are ``options``' ``gloo_p2p``, ``reduce_scatter_via_all_reduce``
-    and ``timeout_s``."""
+    and ``timeout_s``.  Machines are blocks of ``ranks_per_node`` consecutive ranks: ``sent`` counts the bytes this
+    rank sends, by kind and by whether they cross machines, and with ``node_local_backward_gather`` the node groups
+    (the shard group's members on one machine) gather units in backward (``all_gather(..., in_node=True)``)."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  options: Optional[FlatShardOptions] = None) -> None:
@@ -99,6 +115,10 @@ class ShardGroup:
             self.replica_group = _subgroup_containing(
                 self.world_rank, [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
         self.shard_rank = dist.get_rank(self.shard_group)
+        self.ranks_per_node = options.ranks_per_node or self.world_size  # (None: every rank on one machine)
+        self.shard = self._members(self.shard_group)
+        self.replicas = self._members(self.replica_group) if self.replica_group is not None else None
+        self.node = self._node_group(options) if options.node_local_backward_gather else None
         # gloo's all_gather_single / reduce_scatter_single stage through temporaries (152 MiB: 262 / 165 ms,
         # all-reduce 88 ms; isend/irecv straight into / out of the slots 99 ms, benchmarks/comm_bench.py): on
         # gloo both run as point-to-point batches unless FLATSHARD_GLOO_P2P=0.
@@ -106,8 +126,39 @@ class ShardGroup:
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
         self.reduce_scatter_via_all_reduce = options.reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = self.bytes_reduced = 0  # counters for tests and the profiler
+        self.all_gathers = 0  # all-gather collectives issued (one per unit and pass)
+        # bytes this rank sent, by (kind, "intra" | "inter" machine), counted as the point-to-point exchange sends
+        self.sent: "collections.Counter[tuple]" = collections.Counter()
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
         self.collectives_at_one_rank = False  # True: real collectives at group size 1 too (gpu_check's NCCL part)
+
+    def _members(self, group: Any) -> Members:
+        ranks = (list(range(self.world_size)) if group is dist.group.WORLD
+                 else dist.get_process_group_ranks(group))
+        node = self.world_rank // self.ranks_per_node
+        on_node = sum(r // self.ranks_per_node == node for r in ranks) - 1
+        return Members(group, len(ranks), dist.get_rank(group), on_node)
+
+    def _node_group(self, options: FlatShardOptions) -> Optional[Members]:
+        """The shard group's members on this rank's machine, for backward gathers that stay inside it (None when the
+        whole shard group is on one machine: every gather stays inside it already)."""
+        n, g = self.ranks_per_node, self.shard_size
+        if n >= g:
+            return None
+        if g % n or self.world_group is not dist.group.WORLD:
+            raise ValueError(f"node_local_backward_gather: the shard group ({g} ranks) must be whole machines of "
+                             f"ranks_per_node={n} ranks of the default process group; set ranks_per_node to a divisor "
+                             "of the shard group size (LOCAL_WORLD_SIZE under accelerate launch / torchrun)")
+        blocks = [list(range(s + k * n, s + (k + 1) * n)) for s in range(0, self.world_size, g) for k in range(g // n)]
+        group = _subgroup_containing(self.world_rank, blocks, datetime.timedelta(seconds=options.timeout_s))
+        return Members(group, n, dist.get_rank(group), n - 1)
+
+    def _count(self, kind: str, members: Members, per_peer: int) -> None:
+        """What this rank sends to each other member, split by machine (and marked for a running profiler)."""
+        intra, inter = per_peer * members.on_node, per_peer * (members.size - 1 - members.on_node)
+        self.sent[kind, "intra"] += intra
+        self.sent[kind, "inter"] += inter
+        mark_sent(kind, intra, inter)
 
     def bind_device(self, device: torch.device) -> None:
         """Run the norm's all-reduce and the object collectives on the model's device, not the current one."""
@@ -124,28 +175,37 @@ class ShardGroup:
     def is_hybrid(self) -> bool:
         return self.replica_group is not None
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True):
-        """Gather every rank's ``shard`` into ``output`` (rank order)."""
-        self.bytes_gathered += shard.numel() * shard.element_size()
-        if self.shard_size == 1 and not self.collectives_at_one_rank:
-            output.copy_(shard)
+    def all_gather(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], async_op: bool = True,
+                   kind: str = "other gather", in_node: bool = False):
+        """Gather every rank's ``shards[i]`` into ``outputs[i]`` (rank order) as one collective: one unit's flat
+        parameters, of any dtypes, over the shard group (``in_node``: its node group, hpZ).  With point-to-point, one
+        batch straight into every output's slots; else one all-gather (of several shards: packed as bytes, copied out
+        into the outputs once it completes).  ``kind`` labels the bytes sent ("forward gather", ...)."""
+        members = self.node if in_node else self.shard
+        self.bytes_gathered += sum(s.numel() * s.element_size() for s in shards)
+        self.all_gathers += 1
+        self._count(kind, members, sum(s.numel() * s.element_size() for s in shards))
+        if members.size == 1 and not self.collectives_at_one_rank:
+            for output, shard in zip(outputs, shards):
+                output.copy_(shard)
             return DONE
         if self.via_p2p:
-            return _waited(self._all_gather_p2p(output, shard), async_op)
-        work = _all_gather_flat(output, shard, group=self.shard_group, async_op=async_op)
-        return work if async_op else DONE
+            return _waited(_all_gather_p2p(members, outputs, shards), async_op)
+        if len(shards) == 1:
+            work = _all_gather_flat(outputs[0], shards[0], group=members.group, async_op=async_op)
+            return work if async_op else DONE
+        sizes = [s.numel() * s.element_size() for s in shards]
+        packed = torch.cat([s.reshape(-1).view(torch.uint8) for s in shards])
+        gathered = torch.empty(members.size * packed.numel(), dtype=torch.uint8, device=packed.device)
+        work = _all_gather_flat(gathered, packed, group=members.group, async_op=async_op)
 
-    def _all_gather_p2p(self, output: torch.Tensor, shard: torch.Tensor) -> "_Works":
-        """All-gather as one batch of sends and receives straight into the output's slots (safe to overlap
-        other batches: every rank posts the same transfers, matched in order per pair of ranks and tag)."""
-        slots = output.chunk(self.shard_size)
-        slots[self.shard_rank].copy_(shard)
-        ops = []
-        for peer in range(self.shard_size):
-            if peer != self.shard_rank:
-                ops.append(dist.P2POp(dist.isend, shard, group=self.shard_group, group_peer=peer, tag=1))
-                ops.append(dist.P2POp(dist.irecv, slots[peer], group=self.shard_group, group_peer=peer, tag=1))
-        return _Works(dist.batch_isend_irecv(ops))
+        def copy_out() -> None:  # rank-major [rank][flat 0 | flat 1 | ...] -> each flat's [rank 0 | rank 1 | ...]
+            rows, start = gathered.view(members.size, -1), 0
+            for output, shard, size in zip(outputs, shards, sizes):
+                output.view(members.size, -1).copy_(rows[:, start : start + size].view(shard.dtype))
+                start += size
+
+        return _waited(_Works([work] if async_op else [], then=copy_out), async_op)
 
     def _reduce_scatter_p2p(self, output: torch.Tensor, full: torch.Tensor) -> "_Works":
         """Reduce-scatter as sends of every peer's chunk and receives of theirs copies of ours; ``wait()``
@@ -173,6 +233,7 @@ class ShardGroup:
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
         and this rank's part copied out once the work is complete)."""
         self.bytes_reduced += full.numel() * full.element_size()
+        self._count("reduction", self.shard, output.numel() * output.element_size())
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
@@ -191,6 +252,9 @@ class ShardGroup:
 
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
         """Sum a reduced shard over the replica group (hybrid sharding only)."""
+        # (a ring all-reduce sends 2 (R - 1) / R of the tensor: to each of the R - 1 others, 2 / R of it)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("replica all-reduce", self.replicas, 2 * nbytes // self.replicas.size)
         work = dist.all_reduce(tensor, group=self.replica_group, async_op=async_op)
         return work if async_op else DONE
 
@@ -200,6 +264,20 @@ class ShardGroup:
         if size > 1:
             dist.all_reduce(tensor, op=op, group=group)
         return tensor
+
+
+def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> _Works:
+    """All-gathers as one batch of sends and receives straight into the outputs' slots (safe to overlap other
+    batches: every rank posts the same transfers, matched in order per pair of ranks and tag)."""
+    ops = []
+    for output, shard in zip(outputs, shards):
+        slots = output.chunk(members.size)
+        slots[members.rank].copy_(shard)
+        for peer in range(members.size):
+            if peer != members.rank:
+                ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
+                ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
+    return _Works(dist.batch_isend_irecv(ops))
 
 
 def _waited(work: "_Works", async_op: bool) -> "_Works":

@@ -26,7 +26,7 @@ import collections
 import contextlib
 import contextvars
 import os
-from typing import Any, Callable, Deque, Optional
+from typing import Any, Callable, Deque
 
 import torch
 
@@ -68,7 +68,7 @@ class _WorkWait:
 
     __slots__ = ("work", "keep")
 
-    def __init__(self, work: Any, keep: Optional[torch.Tensor]) -> None:
+    def __init__(self, work: Any, keep: Any) -> None:
         self.work, self.keep = work, keep
 
     def wait(self) -> None:
@@ -141,7 +141,7 @@ class HostAdapter:
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Any = None) -> Any:
         """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
         return _WorkWait(issue(True), keep)
 
@@ -166,6 +166,10 @@ class HostAdapter:
 
     def wait_for_freed(self, limit: int) -> None:
         """Before another gather: block until at most ``limit`` - 1 freed buffers are still read (CUDA only)."""
+
+    def secondary_copy(self, part: torch.Tensor) -> torch.Tensor:
+        """A copy of ``part`` of a gathered buffer, made on the compute stream (hpZ's secondary slice)."""
+        return part.clone()
 
     def reduction_input(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The full gradient in the reduce dtype, on the compute stream (``grad`` itself when it has that dtype: the
@@ -234,7 +238,7 @@ class CudaStreams(HostAdapter):
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
-    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Optional[torch.Tensor] = None) -> Any:
+    def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Any = None) -> Any:
         """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on
         ``stream`` and may be dropped at once (same-stream reuse is ordered)."""
         with self.on(stream):

@@ -67,6 +67,7 @@ class Engine:
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
         self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
+        self.phase = "forward"  # the schedule's pass ("forward" / "backward"): labels the all-gathers' bytes
         self.offload: Optional[HostOffload] = None
         # (the planner sets ADAPTER; the tests' simulator attaches its own before the first step)
         self.attach(streams or (ADAPTER.get() or (CudaStreams if device.type == "cuda" else HostAdapter))(device),
@@ -94,24 +95,34 @@ class Engine:
         self._shards_written = False
 
     # ------------------------------------------------------------------ all-gather
-    def unshard(self, flats: Sequence[FlatParameter], label: str = "") -> None:
-        """Start gathering a unit's flat parameters (sharded: its state says so)."""
+    def unshard(self, flats: Sequence[FlatParameter], label: str = "", secondary: Any = None) -> None:
+        """Start gathering a unit's flat parameters (sharded: its state says so); from its ``secondary`` slices
+        inside the machine when it holds them (:meth:`keep_secondary`)."""
+        if not flats:  # (a unit that owns no parameter: a module whose parameters all belong to inner units)
+            return
         if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
             self.begin_step()
         while len(self._gathers) >= self.options.limit_all_gathers:
             self.wait_unshard(next(iter(self._gathers)))  # the oldest
         s = self.streams
         s.wait_for_freed(self.options.limit_all_gathers)
-        handles = []
         with span("all_gather", label):
-            for flat in flats:
-                with s.on(self.all_gather_stream):
-                    out = s.alloc_gathered(flat)
-                    source = s.to_device(flat.local_shard) if self.offload else flat.local_shard  # offload: host shard
-                    shard = source.to(flat.compute_dtype)
-                    del source
-                handles.append(s.collective(self.all_gather_stream, lambda async_op, out=out, shard=shard:
-                                            self.group.all_gather(out, shard, async_op=async_op), keep=shard))
+            with s.on(self.all_gather_stream):
+                for flat in flats:
+                    if flat.storage_owner is flat:  # (packed: the unit's one gathered storage, grown once)
+                        s.alloc_gathered(flat)
+                if secondary is None:  # offload: the shard is host memory, copied to the device; the cast is sent
+                    shards = [(s.to_device(f.local_shard) if self.offload else f.local_shard).to(f.compute_dtype)
+                              for f in flats]
+            if secondary is not None:
+                shards, ready = secondary
+                s.wait_event(self.all_gather_stream, ready)  # (copied on the compute stream after the forward)
+            outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
+            # one collective for the unit when its flat parameters share one storage (pack_gathered), else one each
+            batches = [(outs, shards)] if flats[0].storage_owner is flats[-1].storage_owner else zip(
+                [[o] for o in outs], [[t] for t in shards])
+            handles = [s.collective(self.all_gather_stream, lambda async_op, o=o, t=t: self.group.all_gather(
+                o, t, async_op=async_op, kind=kind, in_node=in_node), keep=t) for o, t in batches]
         self._gathers[tuple(flats)] = (handles, label)  # (in issue order)
 
     def wait_unshard(self, flats: Sequence[FlatParameter]) -> None:
@@ -124,10 +135,26 @@ class Engine:
             for handle in handles:
                 _wait(handle, f"all-gather of unit {label or '?'}", self.group)
 
+    @property
+    def node_local(self) -> bool:
+        """Whether units keep secondary slices for a backward gather inside the machine (hpZ: the shard group spans
+        machines and ``node_local_backward_gather`` is on)."""
+        return getattr(self.group, "node", None) is not None
+
+    def keep_secondary(self, flats: Sequence[FlatParameter]) -> Any:
+        """hpZ: this rank's 1/N slice of each gathered flat parameter (N: its node group's size, ranks_per_node),
+        copied on the compute stream once the unit's forward has read it; a later gather of the unit reads these
+        slices inside the machine instead of every shard group member's shard (:meth:`unshard`)."""
+        s, node = self.streams, self.group.node
+        with span("keep_secondary"):
+            parts = [s.secondary_copy(f.unsharded.detach().chunk(node.size)[node.rank]) for f in flats]
+        return parts, s.record(s.compute_stream())
+
     def reshard(self, flats: Sequence[FlatParameter]) -> None:
         """Free the gathered buffers (gathered and waited for) once every reader is done with them."""
         for flat in flats:
-            self.streams.free_gathered(flat)
+            if flat.storage_owner is flat:
+                self.streams.free_gathered(flat)
 
     # ------------------------------------------------------------------ reduce-scatter
     def reduce_grad(self, flat: FlatParameter, full_grad: torch.Tensor, label: str = "") -> None:

@@ -18,6 +18,11 @@ Storage held by a :class:`FlatParameter` (per rank):
   identity, its ``.data`` the 1-D view of its part, so optimizers update the shard in place with 1/W of the state.
 * ``unsharded`` - a leaf of ``padded_numel`` elements in compute dtype, viewed by the modules while the unit runs;
   freed by resizing its storage to 0 bytes and re-grown in place: views (and tensors autograd saved) stay valid.
+  A unit of several flat parameters (frozen and trainable, several dtypes) packs them into one byte storage
+  (:func:`pack_gathered`): each ``unsharded`` is a typed view at an aligned byte offset, one all-gather fills them
+  all, and the unit's first flat parameter (``storage_owner``) grows and frees the storage for every one::
+
+      gathered storage (bytes):  | flat 0 (bf16, W shards) | pad | flat 1 (fp32, W shards) | pad | ...
 * ``sharded_grad`` - this rank's slice of the reduced gradient; each parameter's ``.grad`` views its part.
 
 No process group is held here: collectives live in ``comm.py`` and are scheduled by ``engine.py``, except the
@@ -137,9 +142,10 @@ class FlatParameter:
         self.unsharded.requires_grad_(self.requires_grad)
         # Collectives write through this alias of the same storage.  It has its own version counter, so
         # re-gathering does not look like an in-place change of the views that autograd saved.
-        self._gather_target = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        self._gather_target.set_(self.unsharded.untyped_storage(), 0, self.unsharded.shape)
+        self.gather_target = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self.gather_target.set_(self.unsharded.untyped_storage(), 0, self.unsharded.shape)
         self._full_bytes = self.unsharded.untyped_storage().nbytes()
+        self.storage_owner: FlatParameter = self  # the flat parameter that grows and frees the gathered storage
         self.free_unsharded()
 
     def full_flat_from_params(self) -> torch.Tensor:
@@ -160,7 +166,7 @@ class FlatParameter:
         storage = self.unsharded.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._full_bytes)
-        return self._gather_target
+        return self.gather_target
 
     def free_unsharded(self) -> None:
         self.unsharded.untyped_storage().resize_(0)
@@ -241,12 +247,33 @@ class FlatParameter:
         return sum(t.numel() * t.element_size() for t in held)
 
 
+GATHERED_ALIGNMENT = 64  # bytes: where each flat parameter's view of a packed gathered storage starts
+
+
+def pack_gathered(flats: Sequence[FlatParameter]) -> None:
+    """Make one unit's flat parameters share one gathered storage (see the module docstring), before anything holds
+    their ``unsharded`` (the schedule's gradient hooks are registered afterwards)."""
+    offsets, total = [], 0
+    for flat in flats:
+        total = _round_up(total, GATHERED_ALIGNMENT)
+        offsets.append(total)
+        total += flat._full_bytes
+    storage = torch.empty(total, dtype=torch.uint8, device=flats[0].device).untyped_storage()
+    for flat, offset in zip(flats, offsets):
+        start, shape = offset // flat.compute_dtype.itemsize, flat.unsharded.shape
+        flat.unsharded = torch.empty(0, dtype=flat.compute_dtype, device=flat.device).set_(storage, start, shape)
+        flat.unsharded.requires_grad_(flat.requires_grad)
+        flat.gather_target = torch.empty(0, dtype=flat.compute_dtype, device=flat.device).set_(storage, start, shape)
+        flat._full_bytes, flat.storage_owner = total, flats[0]
+    flats[0].free_unsharded()
+
+
 def gather_full(flat: FlatParameter, group: Any, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The padded full tensor of ``flat`` from every rank's ``shard`` (default: its parameter shard; any shard of
     the same layout works), on ``flat.device``: a blocking collective over ``group``, the model's ShardGroup."""
     shard = flat.local_shard if shard is None else shard
     full = torch.empty(flat.layout.padded_numel, dtype=shard.dtype, device=flat.device)
-    group.all_gather(full, shard.to(flat.device), async_op=False)  # (.to: under offload the shard is host memory)
+    group.all_gather([full], [shard.to(flat.device)], async_op=False)  # (.to: under offload the shard is on the host)
     return full
 
 

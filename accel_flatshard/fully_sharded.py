@@ -17,7 +17,7 @@ from . import generation, patches
 from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
-from .flat_param import FlatParameter
+from .flat_param import FlatParameter, pack_gathered
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .options import FlatShardOptions
 from .profiler import start_from_env
@@ -126,6 +126,8 @@ class FullyShardedDataParallel(nn.Module):
                         user._buffers[name] = buf.to(device)
             flats = [self._build_flat(params, fqns, users, param_dtype, sync_module_states, engine)
                      for params, fqns, users in owned[id(unit_module)]]
+            if options.pack_all_gathers and len(flats) > 1:
+                pack_gathered(flats)  # one gathered storage, one all-gather per pass (flat_param.py)
             unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
                         options.reshard_after_forward)
             unit_module.__dict__[_UNIT_ATTR] = unit

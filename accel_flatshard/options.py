@@ -62,7 +62,10 @@ class FlatShardOptions:
         True, "free gathered parameters after each unit's forward (ZeRO-3); False keeps them until backward",
         yaml="fsdp_sharding_strategy (FULL_SHARD / SHARD_GRAD_OP; fsdp_version 2: fsdp_reshard_after_forward)")
     group_size: Optional[int] = _setting(
-        None, "ranks per shard group: hybrid sharding, gradients all-reduced across groups (None: every rank)",
+        None, "ranks per shard group: hybrid sharding, gradients all-reduced across groups (None: every rank); under "
+        "Accelerate with `fsdp_sharding_strategy` HYBRID_SHARD / _HYBRID_SHARD_ZERO2 only (an error with any other "
+        "strategy); with an accelerate `parallelism_config`, whose `dp_shard_size` sets the groups, it may only "
+        "repeat that size",
         yaml="fsdp_sharding_strategy HYBRID_SHARD (LOCAL_WORLD_SIZE), parallelism_config_dp_shard_size",
         env="FLATSHARD_GROUP_SIZE")
     backward_prefetch: Optional[BackwardPrefetch] = _setting(
@@ -80,22 +83,38 @@ class FlatShardOptions:
         yaml="mixed_precision (top level)", env="FLATSHARD_REDUCE_DTYPE")
     sync_module_states: bool = _setting(True, "broadcast rank 0's parameters and buffers at wrap time",
                                         yaml="fsdp_sync_module_states")
+    pack_all_gathers: bool = _setting(
+        True, "one all-gather per unit and pass, whatever its flat parameters hold (frozen and trainable, several "
+        "dtypes: one gathered storage); off: one per flat parameter (README Speed)", env="FLATSHARD_PACK_ALL_GATHERS")
     # ---- the collectives (ShardGroup)
     gloo_p2p: Optional[bool] = _setting(
-        None, "all-gather / reduce-scatter as batched isend/irecv into the buffers (None: on with gloo)",
+        None, "all-gather and reduce-scatter as batched isend/irecv straight into / out of the buffers (faster than "
+        "gloo's collectives, see Speed; None: on with gloo)",
         env="FLATSHARD_GLOO_P2P")
     reduce_scatter_via_all_reduce: bool = _setting(
-        False, "without p2p: reduce gradients by all-reduce + slice", env="FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
-    timeout_s: float = _setting(1800.0, "timeout of the process groups accel_flatshard creates (hybrid)",
-                                env="FLATSHARD_TIMEOUT_S")
+        False, "with `FLATSHARD_GLOO_P2P=0` (or nccl): reduce gradients by all-reduce + slice instead of "
+        "reduce-scatter", env="FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE")
+    timeout_s: float = _setting(1800.0, "timeout in seconds of the shard / replica / node process groups "
+                                "accel_flatshard creates", env="FLATSHARD_TIMEOUT_S")
+    ranks_per_node: Optional[int] = _setting(
+        None, "ranks per machine (consecutive ranks): the node groups of `node_local_backward_gather` and the "
+        "profiler's bytes that cross machines (None: `LOCAL_WORLD_SIZE`, set by accelerate launch and torchrun; "
+        "unset, one machine)", env="FLATSHARD_RANKS_PER_NODE")
+    node_local_backward_gather: bool = _setting(
+        False, "hpZ (ZeRO++): after a unit's forward each rank keeps 1/`ranks_per_node` of its parameters, so the "
+        "backward all-gather runs inside the machine (README Speed); costs that much memory per unit until its "
+        "backward", env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER")
     # ---- generation and frozen models (generation.py)
-    generation_mode: str = _setting("budget", "units kept gathered during generate()",
-                                    env="FLATSHARD_GENERATION_MODE")
+    generation_mode: str = _setting(
+        "budget", "units kept gathered during `generate()`: `budget` keeps as many as `generation_budget_mb` allows "
+        "(the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per token, warned "
+        "once)", env="FLATSHARD_GENERATION_MODE")
     generation_budget_mb: Optional[float] = _setting(
-        None, "MiB of gathered units one generate() may keep (None: half the free memory)",
-        env="FLATSHARD_GENERATION_BUDGET_MB")
-    keep_frozen_gathered: bool = _setting(False, "no-grad forwards keep units gathered until the next step",
-                                          env="FLATSHARD_KEEP_FROZEN_GATHERED")
+        None, "gathered MiB one `generate()` may hold per rank; `auto` (None): half the free device memory when it "
+        "starts", env="FLATSHARD_GENERATION_BUDGET_MB")
+    keep_frozen_gathered: bool = _setting(
+        False, "no-grad forwards of a model (e.g. a frozen reference model) keep its units gathered until the next "
+        "optimizer step", env="FLATSHARD_KEEP_FROZEN_GATHERED")
     # ---- what the Accelerator does with a model (integrations/)
     auto_wrap: str = _setting("none", "units: 'transformer' (per block), 'size', 'custom' or 'none'",
                               yaml="fsdp_auto_wrap_policy")
@@ -130,11 +149,15 @@ class FlatShardOptions:
         unknown = sorted(set(settings) - set(FIELDS))
         if unknown:
             raise TypeError(f"unknown accel_flatshard option(s) {unknown}; the options are: {', '.join(FIELDS)}")
+        environ = os.environ if environ is None else environ
         values = {}
         for option in OPTIONS.values():
             value = get(option.name, environ)
             if option.setting and option.setting not in settings and value is not None:
                 values[option.setting] = value
+        local = str(environ.get("LOCAL_WORLD_SIZE", "")).strip()  # (the launcher's ranks per machine)
+        if "ranks_per_node" not in values and local.isdigit() and int(local) >= 1:
+            values["ranks_per_node"] = int(local)
         return cls(**{**values, **settings})
 
 
@@ -176,53 +199,50 @@ class Option:
     type: str  # as shown in the README table
     default: Any  # the value when unset or empty
     default_text: str  # the default as the README shows it
-    doc: str
     parse: Callable[[str], Any]
     setting: Optional[str] = None  # the FlatShardOptions field it sets (None: a process-wide switch)
+    own_doc: str = ""  # what a variable that sets no field does (else its field's doc)
+
+    @property
+    def doc(self) -> str:
+        return self.own_doc or _FIELD_DOCS[self.setting]
+
+
+_FIELD_DOCS = {f.name: f.metadata["doc"] for f in dataclasses.fields(FlatShardOptions)}
 
 
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
-    Option("FLATSHARD_GROUP_SIZE", "int > 0", None, "processes per node (`LOCAL_WORLD_SIZE`)",
-           "ranks per shard group (`group_size`); under Accelerate with `fsdp_sharding_strategy` HYBRID_SHARD / "
-           "_HYBRID_SHARD_ZERO2 only (an error with any other strategy); with an accelerate `parallelism_config`, "
-           "whose `dp_shard_size` sets the groups, it may only repeat that size", _positive_int, "group_size"),
-    Option("FLATSHARD_LIMIT_ALL_GATHERS", "int > 0", None, "2",
-           "most all-gathers in flight per model (`limit_all_gathers`)", _positive_int, "limit_all_gathers"),
+    Option("FLATSHARD_GROUP_SIZE", "int > 0", None, "processes per node (`LOCAL_WORLD_SIZE`)", _positive_int,
+           "group_size"),
+    Option("FLATSHARD_LIMIT_ALL_GATHERS", "int > 0", None, "2", _positive_int, "limit_all_gathers"),
     Option("FLATSHARD_REDUCE_DTYPE", "fp32 | bf16 | fp16", None, "the mixed-precision dtype",
-           "Accelerator: dtype of the gradient reduction under mixed precision (`mixed_precision.reduce_dtype`; no "
-           "effect without it)", _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16")),
-    Option("FLATSHARD_GLOO_P2P", "bool", None, "1 on gloo, else 0", "all-gather and reduce-scatter as batched "
-           "isend/irecv straight into / out of the buffers (faster than gloo's collectives, see Speed)", _bool,
-           "gloo_p2p"),
-    Option("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "bool", False, "0", "with `FLATSHARD_GLOO_P2P=0` (or nccl): "
-           "reduce gradients by all-reduce + slice instead of reduce-scatter", _bool, "reduce_scatter_via_all_reduce"),
-    Option("FLATSHARD_TIMEOUT_S", "float > 0", 1800.0, "1800", "timeout in seconds of the shard / replica process "
-           "groups accel_flatshard creates (hybrid sharding)", _positive_float, "timeout_s"),
-    Option("FLATSHARD_STATE_DICT_TIMEOUT_S", "float > 0", 5.0, "5", "seconds rank 0 waits for the other ranks when "
-           "the unwrapped model's `state_dict()` (collective) gathers, before failing", _positive_float),
+           _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16"), own_doc="Accelerator: "
+           "dtype of the gradient reduction under mixed precision (`mixed_precision.reduce_dtype`; no effect "
+           "without it)"),
+    Option("FLATSHARD_GLOO_P2P", "bool", None, "1 on gloo, else 0", _bool, "gloo_p2p"),
+    Option("FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "bool", False, "0", _bool, "reduce_scatter_via_all_reduce"),
+    Option("FLATSHARD_TIMEOUT_S", "float > 0", 1800.0, "1800", _positive_float, "timeout_s"),
+    Option("FLATSHARD_RANKS_PER_NODE", "int > 0", None, "`LOCAL_WORLD_SIZE`", _positive_int, "ranks_per_node"),
+    Option("FLATSHARD_NODE_LOCAL_BACKWARD_GATHER", "bool", False, "0", _bool, "node_local_backward_gather"),
+    Option("FLATSHARD_STATE_DICT_TIMEOUT_S", "float > 0", 5.0, "5", _positive_float, own_doc="seconds rank 0 waits "
+           "for the other ranks when the unwrapped model's `state_dict()` (collective) gathers, before failing"),
     Option("FLATSHARD_PROFILE", "directory | bool", None, "off",  # None: off, "": the table only, else a directory
-           "profile every wrapped model with torch.profiler: a directory gets one Chrome trace and phase table "
-           "per rank; `1`: print the phase table only",
-           lambda text: {True: "", False: None}.get(_BOOLS.get(text.strip().lower()), text.strip())),
-    Option("FLATSHARD_PROFILE_EVERY", "int > 0", 10, "10", "with `FLATSHARD_PROFILE`: write / print every N "
-           "optimizer steps (the last N - 1 steps recorded)", _positive_int),
+           lambda text: {True: "", False: None}.get(_BOOLS.get(text.strip().lower()), text.strip()),
+           own_doc="profile every wrapped model with torch.profiler: a directory gets one Chrome trace and phase "
+           "table per rank; `1`: print the phase table only"),
+    Option("FLATSHARD_PROFILE_EVERY", "int > 0", 10, "10", _positive_int, own_doc="with `FLATSHARD_PROFILE`: "
+           "write / print every N optimizer steps (the last N - 1 steps recorded)"),
     Option("FLATSHARD_GENERATION_MODE", "budget | full | per_unit", "budget", "budget",
-           "units kept gathered during `generate()`: `budget` keeps as many as `FLATSHARD_GENERATION_BUDGET_MB` "
-           "allows (the whole model: one gather per call), `full` all, `per_unit` none (one gather per unit per "
-           "token, warned once)", _parser(lambda text: text.lower().replace("-", "_"), "expected one of "
-                                          + ", ".join(GENERATION_MODES), GENERATION_MODES.__contains__),
-           "generation_mode"),
+           _parser(lambda text: text.lower().replace("-", "_"), "expected one of " + ", ".join(GENERATION_MODES),
+                   GENERATION_MODES.__contains__), "generation_mode"),
     Option("FLATSHARD_GENERATION_BUDGET_MB", "auto | MiB >= 0", None, "auto",
-           "gathered MiB one `generate()` may hold per rank; `auto`: half the free device memory when it "
-           "starts", _parser(lambda text: None if text.lower() == "auto" else float(text),
-                             "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0),
-           "generation_budget_mb"),
-    Option("FLATSHARD_ASYNC_SAVE", "bool", False, "0",
-           "`save_state` (Accelerator, Trainer) returns once the model and optimizer state is copied to host memory "
-           "and writes the files in the background (README Checkpoints); `save_state(..., async_save=...)` "
-           "overrides it", _bool),
-    Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", "no-grad forwards of a model (e.g. a frozen "
-           "reference model) keep its units gathered until the next optimizer step", _bool, "keep_frozen_gathered"),
+           _parser(lambda text: None if text.lower() == "auto" else float(text),
+                   "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0), "generation_budget_mb"),
+    Option("FLATSHARD_ASYNC_SAVE", "bool", False, "0", _bool, own_doc="`save_state` (Accelerator, Trainer) returns "
+           "once the model and optimizer state is copied to host memory and writes the files in the background "
+           "(README Checkpoints); `save_state(..., async_save=...)` overrides it"),
+    Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", _bool, "keep_frozen_gathered"),
+    Option("FLATSHARD_PACK_ALL_GATHERS", "bool", True, "1", _bool, "pack_all_gathers"),
 )}
 
 

@@ -45,6 +45,18 @@ def end_span(handle: Optional[record_function]) -> None:
         handle.__exit__(None, None, None)
 
 
+def mark_sent(kind: str, intra: int, inter: int) -> None:
+    """A zero-length ``flatshard::sent[kind|intra|inter]`` marker of the bytes one collective sends from this rank
+    (inside / across machines), which :func:`step_phases` sums per step; nothing when no profiler runs."""
+    if profiler_enabled():
+        with record_function(f"flatshard::sent[{kind}|{intra}|{inter}]"):
+            pass
+
+
+# the bytes a step sends, by kind (ShardGroup's labels) and machine: the rows under the phase table
+SENT_KINDS = ("forward gather", "backward gather", "reduction", "replica all-reduce", "other gather")
+
+
 # (metric key, table label); the order of the table's rows.  Indented rows split the row above them;
 # the leaf rows (every row but step, forward, backward, exposed_comm) add up to the step.
 PHASE_ROWS: Tuple[Tuple[str, str], ...] = (
@@ -94,12 +106,16 @@ def step_phases(events: Iterable[Any], step_prefix: str = "ProfilerStep#") -> Li
     backward span containing them in time (backward may run on autograd's thread); nested ones count once."""
     spans: Dict[str, List[Tuple[float, float]]] = collections.defaultdict(list)  # "forward", an engine span, ...
     steps: List[Tuple[float, float]] = []
+    sent: List[Tuple[float, str, int, int]] = []  # (when, kind, bytes inside / across machines)
     for e in events:
         interval = (e.time_range.start, e.time_range.end)
         if e.name.startswith(step_prefix):
             steps.append(interval)
         if e.name.startswith("Optimizer.step#"):
             spans["optimizer"].append(interval)
+        elif e.name.startswith("flatshard::sent["):
+            kind, intra, inter = e.name[len("flatshard::sent["):-1].split("|")
+            sent.append((interval[0], kind, int(intra), int(inter)))
         elif e.name.startswith("flatshard::"):  # (forward[unit] counts as forward)
             spans[e.name[len("flatshard::"):].split("[", 1)[0]].append(interval)
     if not steps and spans:
@@ -123,6 +139,11 @@ def step_phases(events: Iterable[Any], step_prefix: str = "ProfilerStep#") -> Li
                                 - ms["rs_issue"] - ms["rs_wait"], 0.0)
         ms["other"] = max(ms["step"] - ms["forward"] - ms["backward"] - ms["optimizer"], 0.0)
         ms["exposed_comm"] = ms["fwd_ag_wait"] + ms["bwd_ag_wait"] + ms["rs_wait"]
+        for when, kind, intra, inter in sent:
+            if s0 <= when < s1:
+                ms[f"sent {kind} intra"] = ms.get(f"sent {kind} intra", 0) + intra
+                ms[f"sent {kind} inter"] = ms.get(f"sent {kind} inter", 0) + inter
+                ms["all-gathers"] = ms.get("all-gathers", 0) + kind.endswith("gather")
         out.append(ms)
     return out
 
@@ -141,6 +162,14 @@ def phase_table(events_or_steps: Any, title: str = "accel_flatshard profile") ->
         median = statistics.median(values)
         lines.append(f"| {label} | {median:.1f} | {statistics.fmean(values):.1f} | {max(values):.1f} "
                      f"| {100 * median / step:.0f}% |")
+    if any("all-gathers" in s for s in steps):  # the collectives' markers: bytes this rank sent per step
+        lines += ["", "bytes sent per step by this rank (median) | inside the machine | across machines |",
+                  "|---|---:|---:|"]
+        for kind in SENT_KINDS:
+            intra, inter = (statistics.median(s.get(f"sent {kind} {w}", 0) for s in steps) for w in ("intra", "inter"))
+            if intra or inter:
+                lines.append(f"| {kind} | {intra:,.0f} | {inter:,.0f} |")
+        lines.append(f"| all-gather collectives | {statistics.median(s.get('all-gathers', 0) for s in steps):.0f} | |")
     return "\n".join(lines)
 
 

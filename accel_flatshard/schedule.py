@@ -156,6 +156,7 @@ class Schedule:
             # the last unit's backward comes first: keep it, as FSDP2 does
             runs_last = self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit
             if unit.reshard_after_forward and not runs_last and not keep:
+                unit.keep_secondary()  # (hpZ: its backward gather stays inside the machine)
                 unit.reshard()
         else:
             unit.state = UnitState.IDLE
@@ -212,6 +213,7 @@ class Schedule:
     def _start_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
+            self.engine.phase = "backward"
             self._backward_span = begin_span("backward")
             queue_end_of_backward_callback(self._end_backward)
             for unit in self._needed_by_backward:  # tensors saved from outside reads must find their data
@@ -291,6 +293,7 @@ class Schedule:
         self._reset_after_backward()
 
     def _reset_after_backward(self) -> None:
+        self.engine.phase = "forward"
         for unit in self.units:
             unit.finish()
             unit.state = UnitState.IDLE
@@ -317,6 +320,8 @@ class Schedule:
         if busy or self.in_backward:
             raise RuntimeError(f"{what} cannot run during forward/backward (units busy: {busy})")
         self.release()
+        for unit in self.units:
+            unit.secondary = None  # (hpZ's slices of the shards as they were: a write makes them stale)
         self.engine.drain()
 
     def keep(self, units: List[Unit]) -> None:

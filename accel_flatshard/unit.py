@@ -58,6 +58,7 @@ class Unit:
         self.grads_arrived = 0  # trainable flat params whose gradient arrived in this backward
         self.open_backward_uses = 0  # calls whose backward started and (frozen units) has not ended
         self.forward_span: Any = None  # the open flatshard::forward[name] profiler span, if a profiler runs
+        self.secondary: Any = None  # hpZ: this rank's slices kept after forward for a gather inside the machine
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {len(self.flat_params)} flat params, {self.state.name}, {self.sharded_state.name})"
@@ -74,7 +75,7 @@ class Unit:
     def unshard(self) -> None:
         """Start gathering (nothing to do once gathering or gathered)."""
         if self.sharded_state is ShardedState.SHARDED:
-            self.engine.unshard(self.flat_params, self.name)
+            self.engine.unshard(self.flat_params, self.name, self.secondary)
             self.sharded_state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -97,6 +98,11 @@ class Unit:
         if self.sharded_state is ShardedState.GATHERING:
             self.wait_unshard()
         self.reshard()
+
+    def keep_secondary(self) -> None:
+        """hpZ: before a reshard after forward, keep this rank's slices for the backward gather (once per backward)."""
+        if self.secondary is None and self.gathers_for_backward and self.engine.node_local:
+            self.secondary = self.engine.keep_secondary(self.flat_params)
 
     def keep(self) -> None:
         self.unshard()
@@ -133,3 +139,4 @@ class Unit:
         self.release()
         self.grads_arrived = 0
         self.open_backward_uses = 0
+        self.secondary = None

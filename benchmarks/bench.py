@@ -64,6 +64,8 @@ SIZES = {  # name -> (family, config kwargs); parameter counts printed in the ta
     "llama-5M": ("llama", dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4, vocab_size=4096)),
     "llama-40M": ("llama", dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, vocab_size=16384)),
     "llama-150M": ("llama", dict(num_hidden_layers=14, hidden_size=768, intermediate_size=2048, num_attention_heads=12, vocab_size=32000)),
+    # PEFT LoRA (r 8 on q_proj and v_proj) over llama-40M: each block a frozen base and trainable adapters
+    "llama-40M-lora": ("llama-lora", dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, vocab_size=16384)),
 }
 BASE_ENGINES = ["ddp", "fsdp1", "fsdp2", "nocomm", "ddp+compile", "fsdp2+compile"]
 
@@ -82,6 +84,13 @@ def build_model(row: str, seq: int) -> torch.nn.Module:
         cfg = transformers.LlamaConfig(max_position_embeddings=seq, num_key_value_heads=kw["num_attention_heads"],
                                        use_cache=False, **kw)
         model = transformers.LlamaForCausalLM(cfg)
+    if family == "llama-lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        for name, p in model.named_parameters():  # (B starts at zero: give the adapters gradients of their own)
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
     return model
 
 
@@ -97,7 +106,7 @@ class Runner:
 
     def __init__(self, name: str, model: torch.nn.Module) -> None:
         self.name, self.model = name, model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         # under --profile each engine's steps are one span kind: the phase table of one engine reads its own
@@ -268,6 +277,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     data = [torch.randint(0, vocab, (args.batch * world, args.seq), generator=g) for _ in range(total)]
     times = {e: [] for e in engines}
     losses = {e: [] for e in engines}
+    sent = {e: 0 for e in engines}  # ours: bytes this rank sent over the timed steps (ShardGroup's counters)
     last: Dict[str, float] = {}
     cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute + gloo) per step
     prof = row_profiler(device) if args.profile else None  # one torch.profiler over every engine's steps
@@ -278,6 +288,8 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
             _sync(device)
             dist.barrier()
             u0 = resource.getrusage(resource.RUSAGE_SELF)
+            group = getattr(r.model, "shard_group", None)
+            bytes0 = sum(group.sent.values()) if group is not None else 0
             t0 = time.perf_counter()
             loss = r.step(x)
             _sync(device)
@@ -285,6 +297,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
             u1 = resource.getrusage(resource.RUSAGE_SELF)
             last[r.name] = dt
             if s >= args.warmup:
+                sent[r.name] += (sum(group.sent.values()) - bytes0) if group is not None else 0
                 times[r.name].append(dt)
                 losses[r.name].append(loss.float().item())
                 cpu[r.name].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
@@ -298,25 +311,27 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     mem = torch.tensor([[r.state_bytes(), step_peak_bytes(r, data[0][rank * args.batch : (rank + 1) * args.batch].to(device), device)]
                         for r in runners], dtype=torch.float64)
     work = torch.tensor([cpu[e] for e in engines], dtype=torch.float64)
+    sent_mb = torch.tensor([sent[e] / max(1, args.steps) / 2**20 for e in engines], dtype=torch.float64)
     if not fake:
         dist.all_reduce(work, op=dist.ReduceOp.MAX)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo)
         lo /= world
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sent_mb, op=dist.ReduceOp.MAX)
     del runners
     gc.collect()
     if rank != 0:
         return None
     return {"row": row, "params": n_params, "engines": engines, "times": t.tolist(), "losses": lo.tolist(),
-            "mem": mem.tolist(), "cpu": work.tolist(), "profiles": profiles}
+            "mem": mem.tolist(), "cpu": work.tolist(), "sent_mb": sent_mb.tolist(), "profiles": profiles}
 
 
 def format_table(results: List[dict], args, world: int, device: torch.device, fake: bool) -> str:
     lines = [
         "| model | params | engine | step ms (median) | tokens/s | vs DDP | vs FSDP2 | vs no-comm (exposed comm) | CPU s/step/rank (vs DDP) "
-        "| params+grads+optim MiB/rank | step peak Δ MiB/rank | max abs Δloss vs DDP |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| params+grads+optim MiB/rank | step peak Δ MiB/rank | max abs Δloss vs DDP | sent MiB/step/rank |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     tokens = args.batch * args.seq * world
     for res in results:
@@ -346,9 +361,10 @@ def format_table(results: List[dict], args, world: int, device: torch.device, fa
             else:
                 dloss = f"{max(abs(a - b) for a, b in zip(res['losses'][i], res['losses'][idx[ddp_ref]])):.1e}"
             st, peak = res["mem"][i]
+            sent = f"{res['sent_mb'][i]:.1f}" if e.startswith("ours") else "-"  # (ShardGroup's counters: ours only)
             lines.append(
                 f"| {res['row']} | {res['params']/1e6:.1f}M | {e} | {med*1e3:.0f} | {tokens/med:,.0f} | {ratio(i, ddp_ref)} "
-                f"| {ratio(i, fsdp2_ref)} | {exposed(i)} | {statistics.median(cpu[i]):.2f} ({ratio(i, ddp_ref, cpu)}) | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} |"
+                f"| {ratio(i, fsdp2_ref)} | {exposed(i)} | {statistics.median(cpu[i]):.2f} ({ratio(i, ddp_ref, cpu)}) | {st/2**20:.0f} | {peak/2**20:.0f} | {dloss} | {sent} |"
             )
     head = (
         f"W={world}{' (fake pg: no real communication)' if fake else ''}, device={device.type}, "

@@ -75,7 +75,11 @@ def small_model(family: str, seed: int = 0, layers: int = 3, hidden: int = 128, 
                                    num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
                                    vocab_size=vocab, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
                                    pad_token_id=0)
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+    if family == "llama-packed":  # each block a frozen attention and a trainable MLP: one packed all-gather
+        for layer in model.model.layers:
+            layer.self_attn.requires_grad_(False)
+    return model
 
 
 def train(model, data, lr=1e-3):

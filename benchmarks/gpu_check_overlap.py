@@ -42,10 +42,11 @@ def emulate_comm(wrapped, repeat: int, calls: List[Tuple[str, int]]) -> None:
     kind and bytes copied are appended to ``calls``."""
     group = wrapped.shard_group
 
-    def all_gather(self, output, shard, async_op=True):
-        for _ in range(repeat):
-            output.copy_(shard)  # W=1: shard and output have the same size
-        calls.append(("gather", repeat * output.numel() * output.element_size()))
+    def all_gather(self, outputs, shards, async_op=True, kind="", in_node=False):
+        for output, shard in zip(outputs, shards):
+            for _ in range(repeat):
+                output.copy_(shard)  # W=1: shard and output have the same size
+            calls.append(("gather", repeat * output.numel() * output.element_size()))
         return _done()
 
     def reduce_scatter(self, output, full, async_op=True):

@@ -24,9 +24,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision  # noqa: E402
-from accel_flatshard.integrations.config import FlatShardOptions  # noqa: E402
+from accel_flatshard.options import FlatShardOptions  # noqa: E402
 from accel_flatshard.plan import Config, Planner  # noqa: E402
-from accel_flatshard.wrap import checkpoint_units  # noqa: E402
+from accel_flatshard.wrap import checkpoint_units, policy_of  # noqa: E402
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ROWS = [("llama", "FULL_SHARD", {}), ("llama", "FULL_SHARD + AC", {"activation_checkpointing": True}),
@@ -57,8 +57,7 @@ def measured_peak(family: str, opts: FlatShardOptions, device: torch.device, bat
         torch.cuda.empty_cache()
     torch.manual_seed(0)
     host = model(family, small)
-    wrapped = FullyShardedDataParallel(host, auto_wrap_policy=opts.auto_wrap_policy(host), device_id=device,
-                                       **opts.wrapper_kwargs())
+    wrapped = FullyShardedDataParallel(host, auto_wrap_policy=policy_of(opts, host), device_id=device, options=opts)
     if opts.activation_checkpointing:
         checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=device.type == "cuda")  # (as the planner)
@@ -97,13 +96,13 @@ def run(device: torch.device, world: int, batch_size: int, seq: int, tol: float)
     make_batch = lambda n: {"input_ids": torch.zeros(n, seq, dtype=torch.long),  # noqa: E731
                             "labels": torch.zeros(n, seq, dtype=torch.long)}
     for family, label, knobs in ROWS:
-        opts = FlatShardOptions(wrap="transformer", **knobs)
+        opts = FlatShardOptions(auto_wrap="transformer", **knobs)
 
         def build(family=family):
             with torch.device("meta"):
                 return model(family, small)
         planner = Planner(build, opts, world, batch_size, make_batch, device.type)  # (AdamW)
-        predicted = planner.predict(Config.of(opts, world, batch_size))
+        predicted = planner.predict(Config(opts, batch_size))
         real = measured_peak(family, opts, device, make_batch(batch_size), small)
         err = (predicted.peak_bytes - real) / real
         ok &= abs(err) <= tol

@@ -41,14 +41,15 @@ def patch_ag_p2p(wrapped) -> None:
     if group.backend != "gloo" or group.shard_size == 1:
         return
 
-    def all_gather(self, output, shard, async_op=True):
-        self.bytes_gathered += shard.numel() * shard.element_size()
-        chunks = output.chunk(self.shard_size)
-        chunks[self.shard_rank].copy_(shard)
+    def all_gather(self, outputs, shards, async_op=True, kind="", in_node=False):
         ops = []
-        for r in _peers(self):
-            ops.append(dist.P2POp(dist.isend, shard, group=self.shard_group, group_peer=r, tag=1))
-            ops.append(dist.P2POp(dist.irecv, chunks[r], group=self.shard_group, group_peer=r, tag=1))
+        for output, shard in zip(outputs, shards):
+            self.bytes_gathered += shard.numel() * shard.element_size()
+            chunks = output.chunk(self.shard_size)
+            chunks[self.shard_rank].copy_(shard)
+            for r in _peers(self):
+                ops.append(dist.P2POp(dist.isend, shard, group=self.shard_group, group_peer=r, tag=1))
+                ops.append(dist.P2POp(dist.irecv, chunks[r], group=self.shard_group, group_peer=r, tag=1))
         work = _Works(dist.batch_isend_irecv(ops))
         if not async_op:
             work.wait()
@@ -245,6 +246,9 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "compilewhole": ("post", compile_whole),
     "nodisable": ("post", no_dynamo_disable),
     "embbwd": ("post", gather_embedding_for_backward),
+    "nopack": ("kw", lambda m: {"pack_all_gathers": False}),  # one all-gather per flat parameter (before issue 42)
+    # hpZ with one rank per "machine": each unit keeps its gathered copy and its backward gather is a local copy
+    "hpz1": ("kw", lambda m: {"node_local_backward_gather": True, "ranks_per_node": 1}),
 }
 
 

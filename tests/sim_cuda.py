@@ -759,6 +759,11 @@ class SimCudaStreams(CudaStreams):
         self.sim.alloc(full, "full_grad", None)
         return full
 
+    def secondary_copy(self, part: torch.Tensor) -> torch.Tensor:
+        copy = super().secondary_copy(part)
+        self.sim.alloc(copy, "secondary", None)
+        return copy
+
 
 def sim_adapter(sim: SimulatedCuda) -> SimCudaStreams:
     """An adapter for ``Engine(streams=...)`` on the simulated ``cuda:<sim.device_index>``."""

@@ -182,6 +182,18 @@ def test_yaml_configs_load_and_map(fsdp_env):
         assert o.group_size == group and o.auto_wrap == "transformer"
 
 
+def test_node_local_backward_gather_is_turned_on_by_its_variable_under_accelerate(fsdp_env):
+    """accelerate drops unknown fsdp_config keys: FLATSHARD_NODE_LOCAL_BACKWARD_GATHER is the way from a launch; the
+    ranks per machine are the launcher's LOCAL_WORLD_SIZE unless FLATSHARD_RANKS_PER_NODE says otherwise."""
+    o = fsdp_env(env={"FLATSHARD_NODE_LOCAL_BACKWARD_GATHER": "1", "LOCAL_WORLD_SIZE": "8"})
+    assert o.node_local_backward_gather and o.ranks_per_node == 8
+    o = fsdp_env(env={"FLATSHARD_NODE_LOCAL_BACKWARD_GATHER": "1", "FLATSHARD_RANKS_PER_NODE": "4",
+                      "LOCAL_WORLD_SIZE": "8"})
+    assert o.ranks_per_node == 4
+    o = fsdp_env(fsdp_node_local_backward_gather=True)  # (a yaml key accelerate would drop: no effect)
+    assert not o.node_local_backward_gather and o.ranks_per_node is None
+
+
 def _run(args, **kw):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLATSHARD_", "ACCELERATE_", "FSDP_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

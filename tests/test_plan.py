@@ -60,7 +60,10 @@ TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
 FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
               row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", group_size=2, reshard_after_forward=False,
                   activation_checkpointing=True),
-              row("toy", 4, "bf16, BACKWARD_POST", BF16, forward_prefetch=False, backward_prefetch=BackwardPrefetch.BACKWARD_POST)]
+              row("toy", 4, "bf16, BACKWARD_POST", BF16, forward_prefetch=False,
+                  backward_prefetch=BackwardPrefetch.BACKWARD_POST),
+              row("llama", 4, "FULL_SHARD + node-local backward gather, 2 ranks per node", ranks_per_node=2,
+                  node_local_backward_gather=True)]
 
 
 @pytest.mark.usefixtures("world_of_one")

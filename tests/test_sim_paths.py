@@ -65,6 +65,28 @@ class _Done:
         return True
 
 
+class NodeLocalGathers:
+    """The engine's view of hpZ in one process: a node group of one rank (ranks_per_node=1), so each unit keeps its
+    whole gathered buffer as its secondary slice after forward, and its backward gather copies it back inside the
+    "machine" (on the all-gather stream, after the copy made on the compute stream).  Everything else is the real
+    group's."""
+
+    def __init__(self, group):
+        from accel_flatshard.comm import Members
+
+        self._group, self.node = group, Members(None, 1, 0, 0)
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+    def all_gather(self, outputs, shards, async_op=True, kind="", in_node=False):
+        if not in_node:
+            return self._group.all_gather(outputs, shards, async_op=async_op, kind=kind)
+        for output, shard in zip(outputs, shards):
+            output.copy_(shard)
+        return _Done()
+
+
 class Run:
     """What a scenario knows of its run: ``name`` ("reference" or "simulated"), a directory ``tmp`` of its
     own (the same on every rank), and ``host(tree)``, which declares the tensors of ``tree`` host memory
@@ -82,8 +104,8 @@ class Run:
 
 
 def wrap(variant, make=None, policy=None, **kwargs):
-    """``variant``: plain / offload / hybrid / hybrid-offload.  Hybrid: ``group_size=1`` at W>1; in one
-    process :func:`simulated` gives the engine two identical replicas."""
+    """``variant``: plain / offload / hybrid / hybrid-offload / hpz.  Hybrid: ``group_size=1`` at W>1; in one
+    process :func:`simulated` gives the engine two identical replicas; hpz: a node group of one rank."""
     module = (make or (lambda: llama(n_layer=2)))()
     policy = policy(module) if policy else transformer_auto_wrap_policy([llama_layer_class()])
     world = torch.distributed.get_world_size()
@@ -94,8 +116,10 @@ def wrap(variant, make=None, policy=None, **kwargs):
 def simulated(variant, sim=None, **kwargs):
     model = wrap(variant, **kwargs)
     one_process_hybrid = "hybrid" in variant and not model.shard_group.is_hybrid
-    return model, simulate_cuda(model, group=IdenticalReplicas(model.shard_group) if one_process_hybrid else None,
-                                sim=sim)
+    group = IdenticalReplicas(model.shard_group) if one_process_hybrid else None
+    if variant == "hpz":  # (unsimulated, the world of one keeps no secondary: the reference is the plain schedule)
+        group = NodeLocalGathers(model.shard_group)
+    return model, simulate_cuda(model, group=group, sim=sim)
 
 
 def run_both(variant, scenario, tmp, **kwargs):
@@ -518,6 +542,7 @@ def _product(*axes):
 
 TWO = ["plain", "offload"]
 THREE = ["plain", "offload", "hybrid"]
+FOUR = THREE + ["hpz"]
 
 
 @_grid("variant,mode", _product(TWO, ["full", "budget", "budget-partial", "per_unit"]),
@@ -573,13 +598,26 @@ def test_clip_grad_norm_under_offload_syncs_the_host_twice_not_per_parameter():
     assert sim.host_syncs - before == 2, f"{sim.host_syncs - before} host syncs for {len(model.flat_params)} flat parameters"
 
 
-@_grid("variant", THREE, default=["offload"])
+@_grid("variant", FOUR, default=["offload", "hpz"])
 def test_no_sync_accumulation(variant, tmp_path):
     _both(variant, no_sync, tmp_path)
 
 
-@_grid("variant,how", _product(THREE, ["non-reentrant", "reentrant", "whole-stack"]),
-       default=[("plain", "reentrant"), ("hybrid", "non-reentrant"), ("plain", "whole-stack")])
+def partly_frozen_llama():
+    """Each block a frozen attention and a trainable MLP: two flat parameters per unit, in one gathered storage."""
+    model = llama(n_layer=2)
+    for layer in model.model.layers:
+        layer.self_attn.requires_grad_(False)
+    return model
+
+
+@_grid("variant", FOUR, default=["plain", "offload", "hpz"])
+def test_units_of_several_flat_parameters_gather_once(variant, tmp_path):
+    _both(variant, clip, tmp_path, make=partly_frozen_llama)
+
+
+@_grid("variant,how", _product(FOUR, ["non-reentrant", "reentrant", "whole-stack"]),
+       default=[("plain", "reentrant"), ("hybrid", "non-reentrant"), ("plain", "whole-stack"), ("hpz", "reentrant")])
 def test_activation_checkpointing(variant, how, tmp_path):
     _both(variant, functools.partial(activation_checkpointing, how=how), tmp_path)
 

@@ -147,8 +147,9 @@ class _IdenticalRanksGroup:
         self.is_hybrid = shard != world
         self.sim, self.device, self.replica_streams = sim, device, []
 
-    def all_gather(self, output, shard, async_op=True):
-        output.copy_(shard.repeat(self.shard_size))
+    def all_gather(self, outputs, shards, async_op=True, kind="", in_node=False):
+        for output, shard in zip(outputs, shards):
+            output.copy_(shard.repeat(self.shard_size))
         return _Done()
 
     def reduce_scatter(self, output, full, async_op=True):

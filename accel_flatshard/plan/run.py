@@ -56,6 +56,11 @@ class _Gloo(HostAdapter):
         self.trace.note_alloc(full, "full_grad")
         return full
 
+    def secondary_copy(self, part: torch.Tensor) -> torch.Tensor:
+        copy = super().secondary_copy(part)
+        self.trace.relabel(copy, "secondary shards")
+        return copy
+
 
 class _Numbered:
     """A stream or an event of :class:`_Cuda`."""
@@ -98,8 +103,9 @@ class _Cuda(_Gloo, CudaStreams):
         return torch.empty(host.shape, dtype=host.dtype).copy_(host)
 
 
+# what is held at the peak, by kind (activations: and transient buffers; secondary shards: node_local_backward_gather)
 PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffers", "gathered units", "full gradients",
-         "activations", "optimizer step")  # what is held at the peak, by kind (activations: and transient buffers)
+         "secondary shards", "activations", "optimizer step")
 PERSISTENT = ("parameter shards", "optimizer state", "module buffers")  # (the rest: "... at the peak")
 
 
