@@ -19,7 +19,7 @@ import test_layout  # noqa: E402
 # lowest first; a module's layer is that of its longest matching prefix (names relative to accel_flatshard)
 LAYERS = [
     ("foundations", ["_compat", "options", "sizes", "mixed_precision", "patches", "profiler", "checkpoint.atomic",
-                     "integrations.versions"]),
+                     "integrations.versions", "quantize"]),
     ("storage and collectives", ["flat_param", "comm", "device", "offload", "checkpoint.format"]),  # format: errors
     ("state in memory", ["state_dict"]),  # the wrapper hands it its schedule at install
     ("engine", ["engine"]),
