@@ -73,11 +73,13 @@ def test_a_block_size_that_is_not_a_positive_int_is_refused(block):
         quantize_blocks(_randn(8), block, "x")
 
 
-def test_a_tensor_that_is_not_1d_float_is_refused():
-    with pytest.raises(ValueError, match="1-D float"):
-        quantize_blocks(torch.zeros(2, 4), 4, "x")
-    with pytest.raises(ValueError, match="1-D float"):
-        quantize_blocks(torch.zeros(8, dtype=torch.int32), 4, "x")
+@pytest.mark.parametrize("tensor", [torch.zeros(2, 4), torch.zeros(8, dtype=torch.int32),
+                                    torch.zeros(8, dtype=torch.float64)], ids=["2-D", "int32", "float64"])
+def test_a_tensor_that_is_not_1d_float32_bf16_or_fp16_is_refused(tensor):
+    with pytest.raises(ValueError, match="1-D float32, bfloat16 or float16"):
+        quantize_blocks(tensor, 4, "x")
+    with pytest.raises(ValueError, match="1-D float32, bfloat16 or float16"):
+        quantize_for_reduction(tensor, 2, 4, "x")
 
 
 # ---------------------------------------------------------------------- quantize
