@@ -50,6 +50,13 @@ def profiler_enabled() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (the memory planner's): it has no data to look at."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(tensor)
+
+
 def FakeTensorMode(**kwargs: Any) -> Any:  # noqa: N802 - torch's class
     """torch's fake tensors (shapes and dtypes, no data): the memory planner runs whole steps on them."""
     from torch._subclasses.fake_tensor import FakeTensorMode as _FakeTensorMode

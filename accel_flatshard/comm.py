@@ -15,8 +15,10 @@ from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from ._compat import is_fake
 from .options import FlatShardOptions
 from .profiler import mark_sent
+from .quantize import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
 
 
 class _Works:
@@ -207,6 +209,44 @@ class ShardGroup:
 
         return _waited(_Works([work] if async_op else [], then=copy_out), async_op)
 
+    def all_gather_quantized(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], block: int,
+                             what: str, async_op: bool = True, kind: str = "other gather") -> Any:
+        """:meth:`all_gather` of the shards as block-wise int8 with a float32 scale a block (``quantize.py``: each
+        rank quantizes its own shard, so no block straddles two), dequantized into ``outputs`` (their dtype) once
+        it completes.  A non-finite value travels as a nan scale, so that every rank raises the same error, which
+        ``what`` names with the rank that holds it (a rank raising alone would leave the others waiting)."""
+        sends, receives = [], []
+        for shard in shards:
+            q, scales = quantize_blocks(shard, block, what, propagate_non_finite=True)
+            sends += [q, scales]
+            receives += [q.new_empty(self.shard_size * q.numel()), scales.new_empty(self.shard_size * scales.numel())]
+        work = self.all_gather(receives, sends, async_op=async_op, kind=kind)
+
+        def dequantize() -> None:
+            for i, output in enumerate(outputs):
+                q, scales = receives[2 * i].view(self.shard_size, -1), receives[2 * i + 1].view(self.shard_size, -1)
+                bad = ~torch.isfinite(scales).all(dim=1)  # (one check a gather: on CUDA, a wait for its stream)
+                if not is_fake(bad) and bool(bad.any()):
+                    raise ValueError(f"accel_flatshard int8 quantization of {what}: the shard of rank(s) "
+                                     f"{bad.nonzero().flatten().tolist()} holds non-finite values (inf or nan); an "
+                                     "int8 block cannot carry them (set quantized_all_gather off to train on)")
+                dequantize_blocks(q, scales, block, out=output)
+
+        return _then(work, dequantize, async_op)
+
+    def reduce_scatter_quantized(self, output: torch.Tensor, full: torch.Tensor, block: int, what: str,
+                                 async_op: bool = True, propagate_non_finite: bool = False) -> Any:
+        """Sum ``full`` over the shard group into this rank's ``output`` (float32) through int8 (ZeRO++'s qgZ): each
+        rank quantizes every rank's chunk (``quantize.py``), one all-to-all sends each its chunks, which it
+        dequantizes and sums in float32, in rank order, once the exchange completes."""
+        q, scales = quantize_for_reduction(full, self.shard_size, block, what,
+                                           propagate_non_finite=propagate_non_finite)
+        got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
+        self.bytes_reduced += q.numel() + scales.numel() * scales.element_size()
+        self._count("reduction", self.shard, q.shape[1] + scales.shape[1] * scales.element_size())
+        work = _all_to_all(self.shard, [got_q, got_scales], [q, scales], async_op)
+        return _then(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
+
     def _reduce_scatter_p2p(self, output: torch.Tensor, full: torch.Tensor) -> "_Works":
         """Reduce-scatter as sends of every peer's chunk and receives of theirs copies of ours; ``wait()``
         sums them into ``output`` (in rank order, so every rank adds in the same order)."""
@@ -278,6 +318,30 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
                 ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
     return _Works(dist.batch_isend_irecv(ops))
+
+
+def _all_to_all(members: Members, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                async_op: bool) -> Any:
+    """Row r of every ``inputs[i]`` ([size, ...]) to member r, whose row s of ``outputs[i]`` comes from member s; one
+    point-to-point batch (a rank's own row is copied)."""
+    ops = []
+    for output, source in zip(outputs, inputs):
+        output[members.rank].copy_(source[members.rank])
+        for peer in range(members.size):
+            if peer != members.rank:
+                ops.append(dist.P2POp(dist.isend, source[peer], group=members.group, group_peer=peer, tag=3))
+                ops.append(dist.P2POp(dist.irecv, output[peer], group=members.group, group_peer=peer, tag=3))
+    return _waited(_Works(dist.batch_isend_irecv(ops) if ops else []), async_op)
+
+
+def _then(work: Any, step: Callable[[], Any], async_op: bool) -> Any:
+    """``work`` followed by ``step`` (a dequantization): at once after a synchronous call (on the collective's
+    stream), else when the handle is waited for."""
+    if not async_op:
+        work.wait()
+        step()
+        return DONE
+    return _Works([work], then=step)
 
 
 def _waited(work: "_Works", async_op: bool) -> "_Works":

@@ -118,6 +118,14 @@ class Engine:
                 shards, ready = secondary
                 s.wait_event(self.all_gather_stream, ready)  # (copied on the compute stream after the forward)
             outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
+            if self.options.quantized_all_gather and not in_node:  # int8 of the master shards, one collective
+                with s.on(self.all_gather_stream):
+                    masters = [s.to_device(f.local_shard) if self.offload else f.local_shard for f in flats]
+                handle = s.collective(self.all_gather_stream, lambda async_op: self.group.all_gather_quantized(
+                    outs, masters, self.options.quant_block, f"unit {label} weights", async_op=async_op, kind=kind),
+                    keep=masters)
+                self._gathers[tuple(flats)] = ([handle], label)
+                return
             # one collective for the unit when its flat parameters share one storage (pack_gathered), else one each
             batches = [(outs, shards)] if flats[0].storage_owner is flats[-1].storage_owner else zip(
                 [[o] for o in outs], [[t] for t in shards])
@@ -172,10 +180,19 @@ class Engine:
             if self.predivide != 1:
                 full.div_(self.predivide)
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
+            quantized = self.options.quantized_reduce  # (int8 through an all-to-all, summed in float32)
             with s.on(self.reduce_scatter_stream):
-                shard_out = torch.empty(flat.layout.shard_numel, dtype=dtype, device=full.device)
-            handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
-                                  self.group.reduce_scatter(out, full, async_op=async_op))
+                shard_out = torch.empty(flat.layout.shard_numel, dtype=torch.float32 if quantized else dtype,
+                                        device=full.device)
+            if quantized:  # (fp16 loss scaling: an overflow arrives as nan, so the grad scaler skips the step)
+                fp16 = getattr(self.options.mixed_precision, "param_dtype", None) == torch.float16
+                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
+                                      self.group.reduce_scatter_quantized(
+                                          out, full, self.options.quant_block, f"unit {label} gradients",
+                                          async_op=async_op, propagate_non_finite=fp16))
+            else:
+                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
+                                      self.group.reduce_scatter(out, full, async_op=async_op))
         r = _PendingReduce(flat, handle, full, shard_out, label)
         del full, shard_out
         if self.group.is_hybrid:
@@ -266,6 +283,8 @@ def _wait(handle: Any, what: str, group: Collectives) -> None:
     """Wait for a collective; if it fails (a peer died, the timeout expired) say which one it was."""
     try:
         handle.wait()
+    except ValueError:  # (the data, not the collective: a non-finite weight under quantized_all_gather)
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise RuntimeError(
             f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import types
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -27,6 +28,7 @@ from .unit import Unit
 from .wrap import Policy, select_units
 
 ParamInitFn = Callable[[nn.Module], None]
+logger = logging.getLogger(__name__)
 
 _UNIT_ATTR = "_flatshard_unit"
 
@@ -105,6 +107,11 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision, sync_module_states = options.mixed_precision, options.sync_module_states
         if environment.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
             start_from_env(self.shard_group.world_rank)
+        lossy = [what for what, on in (("int8 weights", options.quantized_all_gather),
+                                       ("int8 gradients", options.quantized_reduce)) if on]
+        if lossy and self.shard_group.world_rank == 0:  # (said once per model, in the run's log)
+            logger.warning("accel_flatshard: quantized communication on: %s, blocks of %d elements (README Speed)",
+                           " and ".join(lossy), options.quant_block)
         engine = Engine(self.shard_group, device, options)
         # the model's step and its operations outside the step: generation, state dicts and the planner use it
         self.schedule = schedule = Schedule(engine, options)

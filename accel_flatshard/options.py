@@ -83,6 +83,15 @@ class FlatShardOptions:
         yaml="mixed_precision (top level)", env="FLATSHARD_REDUCE_DTYPE")
     sync_module_states: bool = _setting(True, "broadcast rank 0's parameters and buffers at wrap time",
                                         yaml="fsdp_sync_module_states")
+    quantized_all_gather: bool = _setting(
+        False, "qwZ (ZeRO++): weights all-gathered as block-wise int8 with a float32 scale a block, dequantized into "
+        "the compute dtype (lossy: README Speed); the master shards and the optimizer never see quantized values",
+        env="FLATSHARD_QUANTIZED_ALL_GATHER")
+    quantized_reduce: bool = _setting(
+        False, "qgZ (ZeRO++): gradients reduced through one all-to-all of block-wise int8, summed in float32 (lossy: "
+        "README Speed); the replica all-reduce of hybrid sharding stays exact", env="FLATSHARD_QUANTIZED_REDUCE")
+    quant_block: int = _setting(256, "elements per int8 block (one float32 scale each) of the quantized options",
+                                env="FLATSHARD_QUANT_BLOCK")
     pack_all_gathers: bool = _setting(
         True, "one all-gather per unit and pass, whatever its flat parameters hold (frozen and trainable, several "
         "dtypes: one gathered storage); off: one per flat parameter (README Speed)", env="FLATSHARD_PACK_ALL_GATHERS")
@@ -137,6 +146,8 @@ class FlatShardOptions:
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {self.backward_prefetch!r}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ValueError(f"group_size must be None or a positive integer, got {self.group_size!r}")
+        if not isinstance(self.quant_block, int) or self.quant_block < 1:
+            raise ValueError(f"quant_block must be a positive integer, got {self.quant_block!r}")
         if not isinstance(self.limit_all_gathers, int) or self.limit_all_gathers < 1:
             raise ValueError(f"limit_all_gathers must be a positive integer, got {self.limit_all_gathers!r}")
         if self.generation_mode not in GENERATION_MODES:
@@ -243,6 +254,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            "(README Checkpoints); `save_state(..., async_save=...)` overrides it"),
     Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", _bool, "keep_frozen_gathered"),
     Option("FLATSHARD_PACK_ALL_GATHERS", "bool", True, "1", _bool, "pack_all_gathers"),
+    Option("FLATSHARD_QUANTIZED_ALL_GATHER", "bool", False, "0", _bool, "quantized_all_gather"),
+    Option("FLATSHARD_QUANTIZED_REDUCE", "bool", False, "0", _bool, "quantized_reduce"),
+    Option("FLATSHARD_QUANT_BLOCK", "int > 0", 256, "256", _positive_int, "quant_block"),
 )}
 
 

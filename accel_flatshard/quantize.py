@@ -60,6 +60,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ._compat import is_fake
+
 QMAX = 127  # symmetric int8 code: -127..127
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
@@ -86,17 +88,19 @@ def reduction_wire_bytes(shard_numel: int, world_size: int, block: int) -> int:
 
 
 def quantize_blocks(x: torch.Tensor, block: int, what: str,
-                    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    propagate_non_finite: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize the 1-D float tensor ``x`` in blocks of ``block``: ``(q, scales)``, int8 of ``x.numel()`` and
     float32 of ``shard_blocks(x.numel(), block)`` elements (module docstring).  ``what`` names the data in the
-    error raised for inf or nan (e.g. ``"unit model.layers.3 weights"``).  ``out=(q, scales)`` writes into given
-    buffers (e.g. a send buffer's slices) instead of new ones."""
+    error raised for inf or nan (e.g. ``"unit model.layers.3 weights"``); ``propagate_non_finite``: such a block gets
+    a nan scale instead (the receivers raise, every rank alike: see ``comm.py``).  ``out=(q, scales)`` writes into
+    given buffers (e.g. a send buffer's slices) instead of new ones."""
     _check_block(block)
     if x.dim() != 1 or x.dtype not in QUANTIZABLE_DTYPES:
         raise ValueError(f"quantize_blocks({what}): expected a 1-D float32, bfloat16 or float16 tensor, got "
                          f"{x.dtype} of shape {tuple(x.shape)}")
     q, scales = _outputs(out, (1, x.numel()), (1, shard_blocks(x.numel(), block)), x.device, what)
-    _quantize_rows(x.reshape(1, -1), block, q, scales, what)
+    _quantize_rows(x.reshape(1, -1), block, q, scales, what, propagate_non_finite)
     return q.view(-1), scales.view(-1)
 
 
@@ -129,12 +133,14 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int, out: Op
 
 
 def quantize_for_reduction(full_grad: torch.Tensor, world_size: int, block: int, what: str,
-                           out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, propagate_non_finite: bool = False
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The send buffers of a quantized gradient reduction: ``full_grad`` (1-D, ``world_size * chunk``
     elements: a padded flat buffer) as int8 ``[W, chunk]`` and float32 ``[W, shard_blocks(chunk, block)]``,
     row r being the chunk rank r owns, quantized on its own.  An all-to-all of both (row r to rank r) gives
-    every rank the inputs of :func:`sum_dequantized`.  ``out=(q, scales)`` writes into given buffers."""
+    every rank the inputs of :func:`sum_dequantized`.  ``out=(q, scales)`` writes into given buffers.
+    ``propagate_non_finite``: a block holding inf or nan gets a nan scale instead of the error, so it arrives as nan
+    (fp16 loss scaling: the grad scaler sees it on every rank and skips the step, as after an exact reduction)."""
     _check_block(block)
     if full_grad.dim() != 1 or full_grad.dtype not in QUANTIZABLE_DTYPES:
         raise ValueError(f"quantize_for_reduction({what}): expected a 1-D float32, bfloat16 or float16 tensor, got "
@@ -144,7 +150,7 @@ def quantize_for_reduction(full_grad: torch.Tensor, world_size: int, block: int,
                          f"{world_size} equal chunks (a flat parameter's padded_numel does)")
     chunk = full_grad.numel() // world_size
     q, scales = _outputs(out, (world_size, chunk), (world_size, shard_blocks(chunk, block)), full_grad.device, what)
-    _quantize_rows(full_grad.reshape(world_size, chunk), block, q, scales, what)
+    _quantize_rows(full_grad.reshape(world_size, chunk), block, q, scales, what, propagate_non_finite)
     return q, scales
 
 
@@ -211,7 +217,8 @@ def _scale_views(scales_2d: torch.Tensor, n: int, block: int) -> List[torch.Tens
             if present]
 
 
-def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torch.Tensor, what: str) -> None:
+def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torch.Tensor, what: str,
+                   propagate_non_finite: bool = False) -> None:
     """Quantize each row of ``x2`` ([R, n]) on its own into ``q2`` ([R, n] int8) and ``scales2`` ([R, nb])."""
     n = x2.shape[1]
     if n == 0:
@@ -222,8 +229,11 @@ def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torc
         smallest, largest = torch.aminmax(values, dim=-1)  # no |x| temporary; both propagate nan
         scale.copy_(torch.maximum(largest, smallest.neg()))  # the block's absmax (exact in float32)
     scales2.div_(QMAX)
-    if not bool(torch.isfinite(scales2).all()):  # the one check: a block's absmax is inf or nan iff it holds one
-        _raise_non_finite(x2, scales2, block, what)
+    # the one check: a block's absmax is inf or nan iff it holds one (fake tensors, the planner's: no data to check)
+    if not is_fake(scales2) and not bool(torch.isfinite(scales2).all()):
+        if not propagate_non_finite:
+            _raise_non_finite(x2, scales2, block, what)
+        scales2.copy_(torch.where(torch.isfinite(scales2), scales2, torch.full_like(scales2, float("nan"))))
     # A block at float32's largest magnitude: round its scale down one step so that 127 * scale stays finite.
     overflows = torch.isinf(scales2 * QMAX)
     scales2.copy_(torch.where(overflows, torch.nextafter(scales2, torch.zeros_like(scales2)), scales2))

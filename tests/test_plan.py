@@ -56,7 +56,8 @@ TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
                                                            activation_checkpointing=True),
              row("gpt2", 2, "offload + bf16", BF16, offload_params=True),
              row("gpt2", 2, "micro-batch 2, sync_each_batch", micro_batch=2, accumulation="sync_each_batch"),
-             row("llama-vocab", 2, "FULL_SHARD, large vocabulary")]
+             row("llama-vocab", 2, "FULL_SHARD, large vocabulary"),
+             row("llama", 2, "int8 weights and gradients", quantized_all_gather=True, quantized_reduce=True)]
 FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
               row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", group_size=2, reshard_after_forward=False,
                   activation_checkpointing=True),

@@ -52,6 +52,11 @@ def save_sharded_model(model: nn.Module, directory: str) -> None:
     save_entries(group, directory, entries, meta)
 
 
+# the options whose communication is lossy, recorded in a model checkpoint's flatshard.json (a checkpoint loads
+# under any of them: the shards themselves are exact)
+LOSSY_OPTIONS = ("quantized_all_gather", "quantized_reduce", "quant_block")
+
+
 def model_entries(model: nn.Module) -> Tuple[Any, Dict[str, Entry], Dict[str, Any]]:
     """``(group, entries, meta)`` that :func:`save_entries` writes for ``model``: this rank's live slices (the
     asynchronous save copies them to host memory first, ``checkpoint/commit.py``)."""
@@ -65,11 +70,13 @@ def model_entries(model: nn.Module) -> Tuple[Any, Dict[str, Entry], Dict[str, An
         entries.update((name, _range(info, info.local())) for name, info in index.params.items())
     if rank0:
         entries.update((name, buf.detach()) for name, buf in index.buffers.items())
+    options = getattr(model, "options", None)  # (the lossy communication it trained with, for the record)
     return index.group, entries, {
         "kind": "model", "model_class": type(index.module).__name__, "tensors": index.describe(),
         "flat_params": [{"numel": f.layout.unpadded_numel, "padded_numel": f.layout.padded_numel,
                          "dtype": dtype_to_str(f.dtype), "params": [s.fqn for s in f.layout.slots]}
-                        for f in index.flat_params]}
+                        for f in index.flat_params],
+        "communication": {name: getattr(options, name, None) for name in LOSSY_OPTIONS}}
 
 
 def save_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
