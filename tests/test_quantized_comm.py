@@ -180,3 +180,33 @@ def test_the_log_names_the_options_once(world_of_one, caplog):
     lines = [r.getMessage() for r in caplog.records if "quantized communication" in r.getMessage()]
     assert lines == ["accel_flatshard: quantized communication on: int8 weights and int8 gradients, blocks of 256 "
                      "elements (README Speed)"]
+
+
+def _compiled_and_generating(rank, world_size):
+    """Both options: regional compile (aot_eager) trains as the eager int8 run; a no-grad forward's logits stay
+    within the int8 bound of the exact model's; ``generate()`` (gather-once, the int8 weights of training's forward)
+    gives the same tokens whether it keeps every unit gathered or gathers per step."""
+    from accel_flatshard import compile_model
+    from accel_flatshard.generation import set_generation_options
+
+    data = batches(3, batch=world_size * 2)
+    eager, compiled = _wrap(**BOTH), _wrap(**BOTH)
+    compile_model(compiled, backend="aot_eager")
+    out = {"eager": train(eager, data, rank, world_size), "compiled": train(compiled, data, rank, world_size)}
+    exact, quantized = _wrap(), _wrap(**BOTH)
+    x = data[0].chunk(world_size)[rank]
+    with torch.no_grad():
+        out["logit_error"] = (quantized(x).logits - exact(x).logits).abs().max().item()
+    prompt, tokens = x[:1, :4], {}
+    for mode in ("full", "per_unit"):
+        set_generation_options(quantized, generation_mode=mode)
+        with torch.no_grad():
+            tokens[mode] = quantized.module.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out["same_tokens"] = torch.equal(tokens["full"], tokens["per_unit"])
+    return out
+
+
+def test_both_options_under_regional_compile_and_generation():
+    out = spawn(2, _compiled_and_generating)[0]
+    assert max(abs(a - b) for a, b in zip(out["compiled"], out["eager"])) <= 1e-5
+    assert 0 < out["logit_error"] <= 0.05 and out["same_tokens"]
