@@ -3,8 +3,9 @@
 
 Three kinds of :class:`Patch`: a replaced symbol, also in the modules known to bind it by name (``also_bound_in``)
 and in any imported module of ``scan_packages`` (or ``__main__``) holding the original; a process-wide ``hook``;
-an entry of a library's dict (``key``).  A target moved or re-wrapped by a release is reported with the module,
-attribute and library version: a warning, or a RuntimeError where training or checkpoints would be wrong.
+an entry of a library's dict (``key``; with ``wraps_original``, made from the entry it replaces).  A target moved or
+re-wrapped by a release is reported with the module, attribute and library version: a warning, or a RuntimeError
+where training or checkpoints would be wrong.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class Patch:
 # scope -> who applies its entries; install("accelerator") (every Accelerator) also applies "wrapper"
 SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
           "wrapper": "the first wrap, every Accelerator", "offload": "the first wrap with CPU offload",
-          "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA"}
+          "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA",
+          "process_group": "register(), every Accelerator (before accelerate sets up the process group)"}
 _TORCH_HOOKS = "torch 2.11, 2.13, 2.15"
 
 
@@ -155,6 +157,13 @@ PATCHES: Tuple[Patch, ...] = (
           "on a host without CUDA the Accelerator switches accelerate's MULTI_CPU state to FSDP; PartialState keeps "
           "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.16",
           key="distributed_type", scope="fsdp_state"),
+    Patch("elastic_attempt_store", "torch.distributed.rendezvous", "_rendezvous_handlers",
+          "accel_flatshard.comm:scoping_store_per_attempt",
+          "under torchelastic restarts (`--max_restarts` with the yaml's static rendezvous, or c10d's shared store) "
+          "every attempt's workers share the agent's key-value store with no per-attempt prefix (torch >= 2.5): a "
+          "restarted rank could read its dead peer's gloo address and fail or hang in init_process_group; each "
+          "attempt gets a prefix its ranks agree on", "torch 2.11, 2.13", key="env", wraps_original=True,
+          scope="process_group"),
 )
 
 # (module name, attribute path) -> original object, for every binding install() changed
@@ -219,8 +228,15 @@ def _apply_hook_or_key(patch: Patch, applied: List[str]) -> None:
             return
         _UNDO[patch.name] = target(value).remove
     else:  # ``target`` is the dict
-        if target.get(patch.key) is value:
+        current = target.get(patch.key)
+        if current is value or getattr(current, _MARK, None) == patch.name:
             return
+        if patch.wraps_original:
+            if current is None:
+                _report_missing(patch, patch.target, "no such entry")
+                return
+            value = value(current)
+            setattr(value, _MARK, patch.name)
         if patch.name not in _UNDO:
             had, before = patch.key in target, target.get(patch.key)
             _UNDO[patch.name] = lambda: target.update({patch.key: before}) if had else target.pop(patch.key, None)
@@ -284,9 +300,11 @@ def _apply(patch: Patch, applied: List[str]) -> None:
 
 
 def install(scope: str = "accelerator", register: bool = False) -> List[str]:
-    """Apply the entries of ``scope`` (``"accelerator"``: also ``"wrapper"``'s, and ``"register"``'s when
-    ``register``); idempotent.  Returns the targets this call changed (see the module docstring for errors)."""
-    scopes = {scope} | ({"wrapper"} if scope == "accelerator" else set()) | ({"register"} if register else set())
+    """Apply the entries of ``scope`` (``"accelerator"``: also ``"wrapper"``'s, and ``"register"``'s and
+    ``"process_group"``'s when ``register``); idempotent.  Returns the targets this call changed (see the module
+    docstring for errors)."""
+    scopes = ({scope} | ({"wrapper"} if scope == "accelerator" else set())
+              | ({"register", "process_group"} if register else set()))
     applied: List[str] = []
     for patch in PATCHES:
         if patch.scope in scopes:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import warnings
 from pathlib import Path
@@ -32,10 +33,13 @@ def test_install_reports_and_uninstall_restores_every_original(clean_patches, ca
         ("transformers.trainer", "save_fsdp_model"), ("transformers.trainer", "get_parameter_names"),
         ("accelerate.utils", "extract_model_from_parallel")]}
     post_init = accelerate.utils.FullyShardedDataParallelPlugin.__dict__["__post_init__"]
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # (torch.distributed.rendezvous: a function)
+    env_handler = rendezvous._rendezvous_handlers["env"]
     with caplog.at_level(logging.INFO, logger=patches.__name__):
         applied = patches.install(register=True)
     assert "transformers.trainer.save_fsdp_model" in applied and "accelerate.Accelerator" in applied
     assert transformers.trainer.save_fsdp_model is state_io.save_fsdp_model
+    assert rendezvous._rendezvous_handlers["env"].__wrapped__ is env_handler  # (comm.scoping_store_per_attempt)
     for where in applied:  # one INFO line per binding, then a summary
         assert f"patched {where}" in caplog.text
     assert f"{len(applied)} library bindings patched" in caplog.text
@@ -44,6 +48,7 @@ def test_install_reports_and_uninstall_restores_every_original(clean_patches, ca
     for (m, a), original in originals.items():
         assert getattr(sys.modules[m], a) is original, f"{m}.{a}"
     assert accelerate.utils.FullyShardedDataParallelPlugin.__dict__["__post_init__"] is post_init
+    assert rendezvous._rendezvous_handlers["env"] is env_handler
 
 
 def test_table_lists_every_patch_install_applies(clean_patches):

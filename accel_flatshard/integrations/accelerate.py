@@ -54,6 +54,8 @@ class Accelerator(_BaseAccelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options.check_environment()
+        # before accelerate makes the process group: a torchelastic restart's groups get a store prefix of their own
+        patches.install("process_group")
         self.flatshard_async_save: bool = options.get("FLATSHARD_ASYNC_SAVE")  # save_state's default
         bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
