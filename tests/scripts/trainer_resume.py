@@ -1,7 +1,8 @@
 """A Hugging Face ``Trainer`` run that resumes by itself: ``resume_from_checkpoint=True`` when the output directory
 holds a complete checkpoint (tests/test_resume.py; ``FLATSHARD_ASYNC_SAVE=1`` writes its checkpoints in the
 background).  Prints ``step <n> loss`` per optimizer step and ``resumed from <dir> at step <n>`` (main process);
-writes the final full weights to ``<output_dir>/final`` with ``save_pretrained``.
+writes the final full weights to ``<output_dir>/final`` with ``save_pretrained``.  ``--fsdp``: the Trainer's own
+``TrainingArguments(fsdp=...)`` instead of an accelerate yaml (``torchrun -m accel_flatshard.run``).
 """
 import argparse
 import os
@@ -32,6 +33,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--output_dir", required=True)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--fsdp", default=None, help="TrainingArguments(fsdp=...), e.g. 'full_shard auto_wrap' (no yaml)")
     args = p.parse_args()
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
@@ -41,7 +43,9 @@ def main():
     data = [{"input_ids": t, "labels": t} for t in tokens]
     training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4,
                                  learning_rate=3e-3, save_strategy="steps", save_steps=2, save_total_limit=2,
-                                 logging_steps=1, report_to=[], seed=0, disable_tqdm=True)
+                                 logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
+                                 **({"fsdp": args.fsdp, "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+                                    if args.fsdp else {}))
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[Report()])
     resume = newest_complete_checkpoint(args.output_dir, "checkpoint-") is not None
     trainer.train(resume_from_checkpoint=True if resume else None)
