@@ -223,6 +223,37 @@ def test_a_failed_background_write_raises_on_every_rank_at_the_next_save_naming_
         assert "No space left on device" in out["failed_write"] and "__1_0.distcp" in out["failed_write"]
 
 
+def _peer_dies_mid_save(rank: int, world: int, directory: str) -> str:
+    """Rank 1 dies (as SIGKILLed) while the background writer writes; rank 0's next wait says the save failed."""
+    import time
+
+    import torch.distributed as dist
+
+    from accel_flatshard.checkpoint import CheckpointError, commit
+
+    def write(group):
+        if rank == 1:
+            os._exit(1)
+        time.sleep(0.5)
+
+    commit.start_save(directory, [("part", write)], commit.writer_group(dist.group.WORLD, world), lambda: None,
+                      lambda: open(os.path.join(directory, commit.COMPLETE_FILE), "w").close(), True)
+    try:
+        commit.wait_for_saves()
+    except CheckpointError as exc:
+        return str(exc)
+    return "wait_for_saves() returned: the save looked complete"
+
+
+def test_a_rank_dying_during_a_background_write_fails_the_save_on_the_survivors(tmp_path):
+    # (before: the survivors' writer thread died in the outcome gather, and the save looked complete to them)
+    with pytest.raises(RuntimeError, match="rank 1: exited") as failure:
+        spawn(2, _peer_dies_mid_save, str(tmp_path), timeout_s=60)
+    assert "the checkpoint is incomplete" in failure.value.results[0], failure.value.results
+    assert "a rank died?" in failure.value.results[0]
+    assert not (tmp_path / "flatshard_complete.json").exists()
+
+
 # ---------------------------------------------------------------------- the CUDA snapshot, simulated
 def _simulated_snapshot(drop: str = ""):
     """A shard updated on the compute stream, snapshotted, then updated again (the next optimizer step);

@@ -193,7 +193,11 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
             status = None
         except BaseException as exc:  # noqa: BLE001 - reported on every rank, raised by wait_for_saves
             status = f"rank {rank} writing {status}: {type(exc).__name__}: {exc}"
-        failed = [s for s in comm.all_gather_object(world, status) if s]
+        try:
+            failed = [s for s in comm.all_gather_object(world, status) if s]
+        except Exception as exc:  # noqa: BLE001 - a rank died mid-save: its files are not vouched for
+            failed = [status or f"rank {rank} gathering every rank's outcome (a rank died?): {type(exc).__name__}: "
+                                f"{exc}"]
         if not failed and rank == 0:
             try:
                 commit()
