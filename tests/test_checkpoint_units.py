@@ -199,3 +199,27 @@ def test_torch_optimizer_conversion_names_a_parameter_outside_the_model(directio
     convert = optim_state_dict_to_torch if direction == "to_torch" else optim_state_dict_from_torch
     with pytest.raises(CheckpointError, match=r"param_groups\[0\] holds a parameter \(shape \(5, 7\)\)"):
         convert({"param_groups": [], "state": {}}, model, optimizer)
+
+
+def test_a_deletion_cut_short_leaves_no_half_emptied_checkpoint_that_reads_complete(tmp_path, monkeypatch):
+    # prune_checkpoints deletes an incomplete folder and the process is killed inside the deletion, after the
+    # manifest went (before: the rest read as a complete checkpoint written before commit markers, and loaded)
+    from accel_flatshard.checkpoint import atomic, commit
+
+    root = tmp_path / "checkpoints"
+    for n, manifest in ((1, commit.COMPLETE_FILE), (2, commit.PENDING_FILE)):
+        (root / f"checkpoint_{n}").mkdir(parents=True)
+        (root / f"checkpoint_{n}" / "model.bin").write_text("x")
+        (root / f"checkpoint_{n}" / manifest).write_text('{"parts": ["model.bin"]}')
+
+    def killed_while_deleting(path, ignore_errors=False):
+        os.remove(os.path.join(path, commit.PENDING_FILE))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        commit.prune_checkpoints(str(root), total_limit=1)
+    assert commit.newest_complete_checkpoint(str(root)) == str(root / "checkpoint_1")
+    monkeypatch.undo()
+    atomic.remove_dir(str(root / "checkpoint_2"))  # a later deletion of that name clears what the cut one left
+    assert os.listdir(root) == ["checkpoint_1"]

@@ -5,6 +5,8 @@
 mix.  :func:`commit_dir` does the same for a directory built at :func:`new_tmp_dir` (``<dir>.tmp-<random>``): a
 previous ``<dir>`` is renamed to ``<dir>.old-<random>`` before the new one is renamed in and deleted after, so a
 crash between the two renames leaves it complete under that name (``sharded.resolve_checkpoint_dir`` finds it).
+:func:`remove_dir` deletes a directory the same way round: renamed to ``<dir>.deleting-<random>`` first, so a deletion
+cut short never leaves a half-emptied ``<dir>``.
 """
 from __future__ import annotations
 
@@ -68,4 +70,15 @@ def commit_dir(tmp: str, final: str) -> None:
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
     for leftover in glob.glob(glob.escape(final) + ".old-*"):  # the one just renamed and earlier interrupted ones
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_dir(path: str) -> None:
+    """Delete the directory ``path`` (and what earlier interrupted deletions of it left): renamed out of the way
+    first, so that a process killed while deleting leaves no half-emptied ``path`` (one whose manifest went first
+    would read as a complete checkpoint written before the commit marker existed)."""
+    path = os.path.normpath(path)
+    if os.path.lexists(path):
+        os.rename(path, f"{path}.deleting-{uuid.uuid4().hex[:8]}")
+    for leftover in glob.glob(glob.escape(path) + ".deleting-*"):
         shutil.rmtree(leftover, ignore_errors=True)

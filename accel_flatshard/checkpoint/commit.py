@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..device import CudaStreams
+from .atomic import remove_dir
 from .dcp import Entry, FlatRange
 from .format import CheckpointError
 
@@ -97,7 +97,7 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
     doomed = [p for p in sorted(folders, key=lambda p: missing_parts(p) is None) if p not in keep]
     deleted = doomed[:max(len(folders) - max(total_limit - reserve, 0), 0)]
     for path in deleted:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_dir(path)
     if deleted:
         logger.warning(f"total_limit {total_limit}: deleted {deleted}")
     return deleted

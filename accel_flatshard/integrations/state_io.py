@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -34,7 +33,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULE
 
 from .. import comm
 from ..checkpoint import commit
-from ..checkpoint.atomic import write_atomic, write_json_atomic
+from ..checkpoint.atomic import remove_dir, write_atomic, write_json_atomic
 from ..checkpoint.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
 from ..checkpoint.sharded import model_entries, optimizer_entries, save_entries
 from ..fully_sharded import FullyShardedDataParallel
@@ -303,7 +302,7 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
                 "`self.save_iteration` with what iteration to start with.")
         acc.wait_for_everyone()
         if acc.is_main_process and os.path.exists(output_dir):  # an interrupted save's leftovers
-            shutil.rmtree(output_dir)
+            remove_dir(output_dir)
     logger.info(f"Saving current state to {output_dir}")
     sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
     manifest = _begin_save(acc, output_dir, _parts(acc, sharded), acc.step)
