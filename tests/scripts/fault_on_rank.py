@@ -7,8 +7,12 @@ SIGKILLs itself at ``FAULT`` = ``<point>:<n>`` (tests/test_resume.py):
 
 Later attempts (``TORCHELASTIC_RESTART_COUNT`` > 0) run the example unchanged.  Once the script has returned (its
 files written, ``end_training()`` done) the process leaves with ``os._exit``, as ``reference_runner.py`` does: about
-one launch in thirty of tests/test_resume.py saw a rank abort in interpreter teardown ("terminate called without an
-active exception", no Python frame left), which fails the job, or restarts it, after its work was done.
+one launch in thirty saw a rank abort in interpreter teardown ("terminate called without an active exception"),
+which fails the job, or restarts it, after its work was done.  Its C++ stack: a gloo worker thread
+(``ProcessGroupGloo::runLoop``) drops a finished work's tensors (``TensorImpl::decref_pyobject``), which needs the
+GIL while the interpreter finalizes; Python ends that thread with ``pthread_exit``, whose forced unwind through
+``runLoop`` calls ``std::terminate``.  Seen with and without the per-attempt store prefix (a plain launch of
+``runnerless_train.py``: 1 in 17 each), so not this file's subject.
 """
 import os
 import runpy
