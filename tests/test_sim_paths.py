@@ -104,12 +104,13 @@ class Run:
 
 
 def wrap(variant, make=None, policy=None, **kwargs):
-    """``variant``: plain / offload / hybrid / hybrid-offload / hpz / int8.  Hybrid: ``group_size=1`` at W>1; in one
-    process :func:`simulated` gives the engine two identical replicas; hpz: a node group of one rank."""
+    """``variant``: plain / offload / hybrid / hybrid-offload / hpz / int8 / int8-offload.  Hybrid: ``group_size=1``
+    at W>1; in one process :func:`simulated` gives the engine two identical replicas; hpz: a node group of one rank;
+    int8-offload: the master shards are host memory, copied to the device on the all-gather stream, then quantized."""
     module = (make or (lambda: llama(n_layer=2)))()
     policy = policy(module) if policy else transformer_auto_wrap_policy([llama_layer_class()])
     world = torch.distributed.get_world_size()
-    if variant == "int8":  # the quantized all-gather and reduction (run in one process: the int8 math on the streams)
+    if "int8" in variant:  # the quantized all-gather and reduction (run in one process: the int8 math on the streams)
         kwargs.update(quantized_all_gather=True, quantized_reduce=True, quant_block=64)
     return FullyShardedDataParallel(module, auto_wrap_policy=policy, cpu_offload=CPUOffload("offload" in variant),
                                     group_size=1 if "hybrid" in variant and world > 1 else None, **kwargs)
@@ -544,7 +545,7 @@ def _product(*axes):
 
 TWO = ["plain", "offload"]
 THREE = ["plain", "offload", "hybrid"]
-FOUR = THREE + ["hpz", "int8"]
+FOUR = THREE + ["hpz", "int8", "int8-offload"]
 
 
 @_grid("variant,mode", _product(TWO, ["full", "budget", "budget-partial", "per_unit"]),
@@ -613,7 +614,7 @@ def partly_frozen_llama():
     return model
 
 
-@_grid("variant", FOUR, default=["plain", "offload", "hpz", "int8"])
+@_grid("variant", FOUR, default=["plain", "offload", "hpz", "int8", "int8-offload"])
 def test_units_of_several_flat_parameters_gather_once(variant, tmp_path):
     _both(variant, clip, tmp_path, make=partly_frozen_llama)
 
