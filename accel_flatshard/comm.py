@@ -271,7 +271,7 @@ class ShardGroup:
         got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
         self.bytes_reduced += q.numel() + scales.numel() * scales.element_size()
         self._count("reduction", self.shard, q.shape[1] + scales.shape[1] * scales.element_size())
-        work = _all_to_all(self.shard, [got_q, got_scales], [q, scales], async_op)
+        work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
         return _then(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
     def _reduce_scatter_p2p(self, output: torch.Tensor, full: torch.Tensor) -> "_Works":
@@ -317,6 +317,26 @@ class ShardGroup:
         n = output.numel()
         return output.copy_(full[self.shard_rank * n : (self.shard_rank + 1) * n])
 
+    def all_to_all(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
+                   async_op: bool = True) -> Any:
+        """Exchange lists of tensors over the shard group: ``inputs[r]`` goes to shard rank ``r``, whose
+        ``outputs[s]`` (same lengths, matched in order) receives what shard rank ``s`` sent it; a rank's own
+        pair is copied.  Point-to-point sends and receives straight from and into the tensors, which may be
+        views (the matrix optimizers' exchange, ``matrix_optim.py``: no packing, no staging copy)."""
+        if self.shard_size == 1 and not self.collectives_at_one_rank:
+            for out, inp in zip(outputs[0], inputs[0]):
+                out.copy_(inp)
+            return DONE
+        # (the shard group is consecutive world ranks: shard rank p is world rank world_rank - shard_rank + p)
+        node = self.world_rank // self.ranks_per_node
+        for peer, tensors in enumerate(inputs):
+            if peer != self.shard_rank:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                same = (self.world_rank - self.shard_rank + peer) // self.ranks_per_node == node
+                self.sent["matrix exchange", "intra" if same else "inter"] += nbytes
+                mark_sent("matrix exchange", nbytes if same else 0, 0 if same else nbytes)
+        return _all_to_all(self.shard, outputs, inputs, async_op)
+
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
         """Sum a reduced shard over the replica group (hybrid sharding only)."""
         # (a ring all-reduce sends 2 (R - 1) / R of the tensor: to each of the R - 1 others, 2 / R of it)
@@ -347,17 +367,17 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
     return _Works(dist.batch_isend_irecv(ops))
 
 
-def _all_to_all(members: Members, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
                 async_op: bool) -> Any:
-    """Row r of every ``inputs[i]`` ([size, ...]) to member r, whose row s of ``outputs[i]`` comes from member s; one
-    point-to-point batch (a rank's own row is copied)."""
+    """``inputs[r]`` (a list of tensors) to member r, whose ``outputs[s]`` (same lengths, matched in order) receives
+    what member s sent; one point-to-point batch (a rank's own list is copied)."""
     ops = []
-    for output, source in zip(outputs, inputs):
-        output[members.rank].copy_(source[members.rank])
-        for peer in range(members.size):
-            if peer != members.rank:
-                ops.append(dist.P2POp(dist.isend, source[peer], group=members.group, group_peer=peer, tag=3))
-                ops.append(dist.P2POp(dist.irecv, output[peer], group=members.group, group_peer=peer, tag=3))
+    for output, source in zip(outputs[members.rank], inputs[members.rank]):
+        output.copy_(source)
+    for peer in range(members.size):
+        if peer != members.rank:
+            ops += [dist.P2POp(dist.isend, t, group=members.group, group_peer=peer, tag=3) for t in inputs[peer]]
+            ops += [dist.P2POp(dist.irecv, t, group=members.group, group_peer=peer, tag=3) for t in outputs[peer]]
     return _waited(_Works(dist.batch_isend_irecv(ops) if ops else []), async_op)
 
 
@@ -425,10 +445,11 @@ def all_gather_object(group: Optional[dist.ProcessGroup], obj: Any) -> List[Any]
     return out
 
 
-def broadcast_tensor(group: Optional[dist.ProcessGroup], tensor: torch.Tensor) -> torch.Tensor:
-    """Overwrite ``tensor`` with group rank 0's copy (in place) and return it."""
+def broadcast_tensor(group: Optional[dist.ProcessGroup], tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite ``tensor`` with group rank ``src``'s copy (in place) and return it."""
     if _size(group) > 1:
-        dist.broadcast(tensor, src=_global_rank0(group), group=group)
+        root = _global_rank0(group) if src == 0 else dist.get_global_rank(group, src)
+        dist.broadcast(tensor, src=root, group=group)
     return tensor
 
 
