@@ -1,4 +1,5 @@
 """accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate."""
+from .chained_optimizer import ChainedOptimizer
 from .compilation import compile_model
 from .fully_sharded import FullyShardedDataParallel
 from .grad_norm import clip_grad_norm_
@@ -8,7 +9,7 @@ from .options import BackwardPrefetch, FlatShardOptions
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 __all__ = ["Accelerator", "register", "FullyShardedDataParallel", "FlatShardOptions", "BackwardPrefetch",
-           "MixedPrecision", "CPUOffload", "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy",
+           "MixedPrecision", "CPUOffload", "ChainedOptimizer", "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy",
            "transformer_auto_wrap_policy"]
 __version__ = "0.1.0"
 

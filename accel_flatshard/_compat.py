@@ -107,3 +107,14 @@ def fake_world(world_size: int, backend: str) -> Any:
             for name, value in saved.items():
                 setattr(c10d, name, value)
     return world()
+
+
+def step_without_hooks(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()`` without the optimizer step hooks, global or its own: torch wraps each optimizer class's
+    ``step`` once (``Optimizer.profile_hook_step``, marked ``hooked``) and keeps the original as ``__wrapped__``.
+    The matrix optimizers' owner-side optimizer (``matrix_optim.py``) is an implementation detail: its step is not a
+    step of the user's (the profiler would count it, the frozen-units hook would run twice)."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step(optimizer)

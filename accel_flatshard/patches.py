@@ -111,6 +111,12 @@ PATCHES: Tuple[Patch, ...] = (
           "tokenizer and said nothing (transformers' rule for torch FSDP): it writes the full model, as under "
           "FULL_STATE_DICT; the Trainer's checkpoints keep their sharded layout", "transformers 4.57.6, 5.25",
           wraps_original=True, essential=False, optional_owner=True),
+    Patch("trainer_optimizers_argument", "transformers.trainer", "Trainer._validate_args",
+          "accel_flatshard.integrations.trainer_trl_peft:accepting_optimizers_when_sharding",
+          "the Trainer refuses `optimizers=(optimizer, scheduler)` under FSDP (torch FSDP replaces the parameters an "
+          "optimizer built beforehand holds); accel_flatshard keeps them, so the optimizer given is the one that "
+          "steps (e.g. Muon and AdamW chained)", "transformers 5.25", wraps_original=True, essential=False,
+          optional_owner=True, introduced_in="5.0"),
     Patch("plugin_post_init", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.__post_init__",
           "accel_flatshard.integrations.config:post_init_without_device",
           "a FullyShardedDataParallelPlugin(...) built in user code raises 'no available devices' on a CPU host "
@@ -138,6 +144,12 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.schedule:refuse_step_during_backward",
           "a step while a backward of a sharded model runs, or after one that raised, would use partial, unreduced "
           "gradients: it raises instead", _TORCH_HOOKS, hook=True, scope="wrapper"),
+    Patch("matrix_optimizer_owner_computes", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
+          "accel_flatshard.matrix_optim:owner_computes_step",
+          "torch.optim.Muon needs each matrix whole, and a rank holds 1-D slices of them (its step raised 'Param "
+          "gradient must be a 2D matrix'): a Muon over sharded parameters computes each matrix's step on one owner "
+          "rank, with Muon's own code, and its own step then runs over no parameters", _TORCH_HOOKS, hook=True,
+          scope="wrapper"),
     Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
           "accel_flatshard.offload:wait_for_copies_before_step",
           "with CPU offload the step writes the host shards, which copies to the GPU may still read: the host "

@@ -18,12 +18,12 @@ import test_layout  # noqa: E402
 
 # lowest first; a module's layer is that of its longest matching prefix (names relative to accel_flatshard)
 LAYERS = [
-    ("foundations", ["_compat", "options", "sizes", "mixed_precision", "patches", "profiler", "checkpoint.atomic",
-                     "integrations.versions", "quantize"]),
+    ("foundations", ["_compat", "options", "sizes", "mixed_precision", "patches", "profiler", "chained_optimizer",
+                     "checkpoint.atomic", "integrations.versions", "quantize"]),
     ("storage and collectives", ["flat_param", "comm", "device", "offload", "checkpoint.format"]),  # format: errors
     ("state in memory", ["state_dict"]),  # the wrapper hands it its schedule at install
     ("engine", ["engine"]),
-    ("units and schedule", ["unit", "schedule", "outside_reads", "wrap", "grad_norm"]),
+    ("units and schedule", ["unit", "schedule", "outside_reads", "wrap", "grad_norm", "matrix_optim"]),
     ("wrapper", ["fully_sharded", "generation", "compilation"]),
     ("checkpoints on disk", ["checkpoint"]),
     ("the planner", ["plan"]),  # the library: prepare's memory check calls it

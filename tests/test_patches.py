@@ -87,9 +87,10 @@ def test_the_plain_wrapper_installs_its_hooks_at_its_first_wrap(clean_patches, w
 
     assert ours() == []
     FullyShardedDataParallel(torch.nn.Linear(4, 4))
-    assert ours() == ["refuse_step_during_backward"]
+    assert ours() == ["refuse_step_during_backward", "owner_computes_step"]
     FullyShardedDataParallel(torch.nn.Linear(4, 4), cpu_offload=True)
-    assert sorted(ours()) == ["prefer_fused_host_adam", "refuse_step_during_backward", "wait_for_copies_before_step"]
+    assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
+                              "wait_for_copies_before_step"]
 
 
 def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(clean_patches, monkeypatch):
@@ -105,10 +106,10 @@ def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(
     applied = [where for scope in ("wrapper", "offload", "frozen", "fsdp_state") for where in patches.install(scope)]
     assert sorted(applied) == ["accelerate.state.PartialState._shared_state['distributed_type']", *(
         f"torch.optim.optimizer.register_optimizer_step_{when}_hook({name})" for when, name in [
-            ("post", "release_frozen_units"), ("pre", "prefer_fused_host_adam"), ("pre", "refuse_step_during_backward"),
-            ("pre", "wait_for_copies_before_step")])]
-    assert sorted(ours()) == ["prefer_fused_host_adam", "refuse_step_during_backward", "release_frozen_units",
-                              "wait_for_copies_before_step"]
+            ("post", "release_frozen_units"), ("pre", "owner_computes_step"), ("pre", "prefer_fused_host_adam"),
+            ("pre", "refuse_step_during_backward"), ("pre", "wait_for_copies_before_step")])]
+    assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
+                              "release_frozen_units", "wait_for_copies_before_step"]
     assert PartialState._shared_state["distributed_type"] is DistributedType.FSDP
     # offload onto a GPU: a stock AdamW steps fused (a stand-in for the offloaded parameters' host buffers)
     param = torch.nn.Parameter(torch.zeros(4))

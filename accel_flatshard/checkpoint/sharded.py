@@ -2,7 +2,8 @@
 
 Each rank writes only its own slices (with hybrid sharding only shard group 0 writes): parameter ``name`` under
 the DCP key ``name``, buffers (rank 0) under theirs, optimizer state under ``state.<name>.<key>`` (0-dim state
-such as ``step`` written once).  DCP's metadata describes each as a tensor of its true shape made of rectangular
+such as ``step`` written once; a matrix optimizer's state held whole by the matrix's owner, ``matrix_optim.py``,
+written by the owner as one chunk).  DCP's metadata describes each as a tensor of its true shape made of rectangular
 chunks (``dcp.py``), so a load at any world size or hybrid group size reads, on each rank, only the chunks that
 overlap its own slices.  Directory layout::
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from .. import comm
 from ..state_dict.model import ModelIndex, ParamInfo
-from ..state_dict.optim import (SCALAR, SHARDED, check_groups, decode_value, encode_groups, encode_value,
+from ..state_dict.optim import (SCALAR, SHARDED, WHOLE, check_groups, decode_value, encode_groups, encode_value,
                                 optimizer_groups, sharded_local, state_schema, torch_state_dict)
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
 from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
@@ -96,10 +97,13 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tup
     for info in (i for infos in groups for i in infos):
         for key, (kind, dtype, value) in schema.get(info.fqn, {}).items():
             name = f"state.{info.fqn}.{key}"
-            if kind == SHARDED:
+            if kind in (SHARDED, WHOLE):
                 tensors[name] = dict(kind="state", param=info.fqn, key=key, shape=list(info.shape), dtype=dtype)
-                if index.group.replica_index == 0:
+                own = optimizer.state.get(info.param, {}).get(key)
+                if index.group.replica_index == 0 and kind == SHARDED:
                     entries[name] = _range(info, sharded_local(info, optimizer, key, dtype))
+                elif index.group.replica_index == 0 and isinstance(own, torch.Tensor):  # the owner: one chunk
+                    entries[name] = FlatRange(own.detach().reshape(-1), 0, info.shape)
             elif kind == SCALAR:
                 tensors[name] = {"kind": "scalar", "param": info.fqn, "key": key, "shape": [], "dtype": dtype}
                 own = optimizer.state.get(info.param, {}).get(key)

@@ -1,9 +1,10 @@
 """Make the libraries around accelerate (transformers' Trainer, PEFT, TRL) see through accel_flatshard's wrapper.
 
-Four functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (the
+Five functions of theirs know only torch's wrappers; :mod:`.patches` replaces each where it is looked up (the
 table there says why): ``extract_model_from_parallel`` (how PEFT and TRL unwrap) and ``get_parameter_names`` (the
 Trainer's weight-decay names) get :func:`seeing_through_wrapper`; TRL's ``prepare_fsdp`` (reference / teacher
-models) :func:`sharding_reference_models`; ``Trainer.save_model`` :func:`saving_final_model_in_full`.
+models) :func:`sharding_reference_models`; ``Trainer.save_model`` :func:`saving_final_model_in_full`;
+``Trainer._validate_args`` :func:`accepting_optimizers_when_sharding`.
 """
 from __future__ import annotations
 
@@ -60,3 +61,22 @@ def saving_final_model_in_full(original: Callable) -> Callable:
             plugin.state_dict_type = configured
 
     return save_model
+
+
+@functools.lru_cache(maxsize=None)
+def accepting_optimizers_when_sharding(original: Callable) -> Callable:
+    """``Trainer._validate_args`` that lets ``optimizers=(optimizer, scheduler)`` through when our Accelerator shards
+    the model: transformers refuses them under any FSDP because torch FSDP replaces the parameters an optimizer built
+    beforehand holds; accel_flatshard keeps them (its other checks run unchanged)."""
+    @functools.wraps(original)
+    def _validate_args(self: Any) -> None:
+        ours = getattr(getattr(self, "accelerator", None), "flatshard_options", None) is not None
+        if not (ours and self.is_fsdp_enabled):
+            return original(self)
+        self.is_fsdp_enabled = False  # (read there by the optimizers check only)
+        try:
+            return original(self)
+        finally:
+            self.is_fsdp_enabled = True
+
+    return _validate_args

@@ -114,7 +114,7 @@ class _Trace(TorchDispatchMode):
     def note_alloc(self, tensor: torch.Tensor, kind: str, key: Any = None) -> None:
         if kind == "unsharded":
             self._add(tensor.untyped_storage().nbytes(), "gathered units", storage_key(tensor))
-        else:
+        elif kind == "full_grad":
             self.relabel(tensor, "full gradients")
 
     def note_free(self, flat: Any) -> None:

@@ -1,9 +1,12 @@
 """Optimizer state of a sharded model by parameter name: its schema, the full optimizer state dict, torch's format.
 
 A stock torch optimizer keeps, per parameter (a 1-D slice of a shard), tensors of this rank's piece's size
-("sharded": ``exp_avg``), 0-dim tensors ("scalar": ``step``) and Python values ("value").  :func:`state_schema`
-describes it by name (``{name: {key: (kind, dtype, value)}}``, merged over ranks); :func:`encode_groups` writes
-JSON-able param groups.  A full optimizer state dict (:func:`full_optim_state_dict`'s, on rank 0)::
+("sharded": ``exp_avg``), 0-dim tensors ("scalar": ``step``) and Python values ("value").  A matrix optimizer
+stepped owner-computes (``matrix_optim.py``: Muon's ``momentum_buffer``) keeps a tensor of the parameter's full
+shape on the one rank of the shard group that owns the matrix ("whole"; its value in the schema: that shard rank).
+:func:`state_schema` describes it by name (``{name: {key: (kind, dtype, value)}}``, merged over ranks);
+:func:`encode_groups` writes JSON-able param groups.  A full optimizer state dict (:func:`full_optim_state_dict`'s,
+on rank 0)::
 
     {
       "state": {"transformer.wte.weight": {"step": tensor(5.), "exp_avg": <full-shaped>, ...}, ...},
@@ -27,7 +30,7 @@ from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
 from .model import ModelIndex, ParamInfo, gather_full, plan_where_given
 
 
-SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
+SHARDED, SCALAR, VALUE, WHOLE = "sharded", "scalar", "value", "whole"
 _SKIP_GROUP_KEYS = ("params", "param_names")
 
 
@@ -56,7 +59,10 @@ def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer
     local: Dict[str, Dict[str, Tuple]] = {}
     for info in (i for infos in groups for i in infos):
         for key, value in optimizer.state.get(info.param, {}).items():
-            desc = local.setdefault(info.fqn, {})[key] = _describe(value)
+            desc = _describe(value)
+            if desc[0] == SHARDED and value.dim() >= 2 and tuple(value.shape) == tuple(info.shape):
+                desc = (WHOLE, desc[1], shard_group.shard_rank)  # held whole by its owner (1-D pieces are 1-D)
+            local.setdefault(info.fqn, {})[key] = desc
             if desc[0] == SHARDED and value.numel() != info.piece.length:
                 raise CheckpointError(
                     f"optimizer state {info.fqn!r}[{key!r}] has {value.numel()} elements, but this rank's piece of "
@@ -190,9 +196,19 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
                 value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 state.setdefault(info.fqn, {})[key] = value.to("cpu", copy=True)
             del full, shard
+    for info in (i for infos in groups for i in infos) if not rank0_only or group.replica_index == 0 else ():
+        for key, (kind, dtype, holder) in schema.get(info.fqn, {}).items():
+            if kind == WHOLE:  # from the matrix's owner, one tensor at a time
+                own = optimizer.state.get(info.param, {}).get(key) if group.shard_rank == holder else None
+                full = (own.detach().contiguous() if own is not None else
+                        torch.empty(info.shape, dtype=str_to_dtype(dtype), device=info.flat.device))
+                comm.broadcast_tensor(group.shard_group, full, src=holder)
+                if receives:
+                    state.setdefault(info.fqn, {})[key] = full.to("cpu", copy=True)
+                del full
     if not receives:
         return {}
-    ordered = {info.fqn: {key: state[info.fqn][key] if kind == SHARDED else state_value(kind, dtype, value)
+    ordered = {info.fqn: {key: state[info.fqn][key] if kind in (SHARDED, WHOLE) else state_value(kind, dtype, value)
                           for key, (kind, dtype, value) in schema[info.fqn].items()}
                for infos in groups for info in infos if info.fqn in schema}
     param_groups = [{**{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
