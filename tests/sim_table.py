@@ -45,7 +45,7 @@ TESTS = REPO / "tests"
 
 # the simulated single-process tests (tests/test_sim_w2.py spawns processes: not a candidate; of a file that
 # also launches processes, only its simulated tests, by node id)
-POOL = ["tests/test_streams.py", "tests/test_offload_sim.py", "tests/test_sim_paths.py",
+POOL = ["tests/test_streams.py", "tests/test_offload_sim.py", "tests/test_sim_paths.py", "tests/test_matrix_optim_sim.py",
         "tests/test_async_save.py::test_cuda_snapshot_copies_on_a_side_stream_that_the_next_update_waits_for"]
 
 REMOVE = {"wait_stream", "wait_event", "synchronize", "record_stream", "record",
