@@ -28,6 +28,11 @@ zero_grad on this rank's part of the global batch; its time is the slowest rank'
 
 Variants of our engine: ``ours+opt+opt...`` with the options in ``patches.OPTIONS`` (constructor
 arguments such as ``noreshard``/``fpre``/``bpre`` and monkeypatches of proposed engine changes).
+
+Muon (``--muon-rows``, default llama-40M): ``ours/muon`` and ``ddp/muon`` step ``torch.optim.Muon`` over the hidden
+2-D matrices and AdamW over the rest (embeddings, LM head, norms), as torch's Muon docs split them, built before
+wrapping; a second table compares each with the same engine on AdamW: the whole step and the optimizer part
+(``opt.step()`` alone, timed inside the step), medians of paired per-step ratios.
 """
 from __future__ import annotations
 
@@ -101,20 +106,37 @@ def block_classes(model: torch.nn.Module):
 
 
 # ---------------------------------------------------------------------- engines
-class Runner:
-    """One engine's model + optimizer on this rank."""
+def muon_and_adamw(model: torch.nn.Module) -> List[torch.optim.Optimizer]:
+    """torch.optim.Muon over the hidden 2-D matrices (not the embeddings or the LM head), AdamW over the rest."""
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "wte" not in n
+              and "wpe" not in n and "lm_head" not in n]
+    ids = {id(p) for p in hidden}
+    return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01),
+            torch.optim.AdamW([p for p in model.parameters() if id(p) not in ids], lr=1e-3, weight_decay=0.01)]
 
-    def __init__(self, name: str, model: torch.nn.Module) -> None:
+
+class Runner:
+    """One engine's model + optimizer(s) on this rank (default: AdamW over every parameter)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, optimizers: Optional[List] = None) -> None:
         self.name, self.model = name, model
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+        self.opts = optimizers or [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3,
+                                                     weight_decay=0.01)]
+        self.opt_seconds = 0.0  # the last step's optimizer part
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         # under --profile each engine's steps are one span kind: the phase table of one engine reads its own
         with torch.profiler.record_function(f"bench::step[{self.name}]"):
             loss = self.model(input_ids=x, labels=x).loss
             loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            for opt in self.opts:
+                opt.step()
+            if next(self.model.parameters()).device.type == "cuda":
+                torch.cuda.synchronize()
+            self.opt_seconds = time.perf_counter() - start
+            for opt in self.opts:
+                opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     def state_bytes(self) -> int:
@@ -132,9 +154,10 @@ class Runner:
         for p in self.model.parameters():
             add(p)
             add(p.grad)
-        for st in self.opt.state.values():
-            for v in st.values():
-                add(v)
+        for opt in self.opts:
+            for st in opt.state.values():
+                for v in st.values():
+                    add(v)
         return sum(seen.values())
 
 
@@ -148,6 +171,15 @@ def compile_blocks(model: torch.nn.Module, blocks: tuple) -> None:
 
 def make_runner(engine: str, base: torch.nn.Module, device: torch.device, args, world: int) -> Runner:
     model = copy.deepcopy(base).to(device)
+    if engine.endswith("/muon"):  # the optimizers hold the matrices' 2-D parameters: built before wrapping
+        opts = muon_and_adamw(model)
+        runner = wrap_engine(engine[: -len("/muon")], model, device, args, world)
+        runner.name, runner.opts = engine, opts
+        return runner
+    return wrap_engine(engine, model, device, args, world)
+
+
+def wrap_engine(engine: str, model: torch.nn.Module, device: torch.device, args, world: int) -> Runner:
     blocks = tuple(block_classes(model))
     if engine == "nocomm":
         return Runner(engine, model)
@@ -258,8 +290,30 @@ def profile_tables(prof, runners: List[Runner], row: str, rank: int, args) -> Di
 
 
 def row_engines(row: str, args) -> List[str]:
-    """The engines of ``row``: compiled ones only on the rows of --compile-rows (each compiles per rank, minutes)."""
-    return [e for e in args.engines + args.ours if "compile" not in e or row in args.compile_rows]
+    """The engines of ``row``: compiled ones only on the rows of --compile-rows (each compiles per rank, minutes);
+    on the rows of --muon-rows also ``ours/muon`` (and ``ddp/muon`` when DDP runs)."""
+    engines = [e for e in args.engines + args.ours if "compile" not in e or row in args.compile_rows]
+    if row in args.muon_rows:
+        engines += [f"{e}/muon" for e in ("ours", "ddp") if e in engines]
+    return engines
+
+
+def muon_table(results: List[dict]) -> str:
+    """Each ``<engine>/muon`` against ``<engine>`` on AdamW: whole step and optimizer part (paired medians)."""
+    lines = ["| model | engine | step ms AdamW | step ms Muon+AdamW | step ratio | optimizer ms AdamW "
+             "| optimizer ms Muon+AdamW | optimizer ratio | params+grads+optim MiB/rank AdamW / Muon+AdamW |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        idx = {e: i for i, e in enumerate(res["engines"])}
+        for e in [e for e in res["engines"] if e.endswith("/muon") and e[:-5] in idx]:
+            i, j = idx[e[:-5]], idx[e]
+            t, o = res["times"], res["opt_times"]
+            ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))  # noqa: E731
+            lines.append(f"| {res['row']} | {e[:-5]} | {statistics.median(t[i]) * 1e3:.0f} | "
+                         f"{statistics.median(t[j]) * 1e3:.0f} | {ratio(t[j], t[i]):.2f}x | "
+                         f"{statistics.median(o[i]) * 1e3:.0f} | {statistics.median(o[j]) * 1e3:.0f} | "
+                         f"{ratio(o[j], o[i]):.2f}x | {res['mem'][i][0] / 2**20:.0f} / {res['mem'][j][0] / 2**20:.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: bool) -> Optional[dict]:
@@ -279,7 +333,8 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     losses = {e: [] for e in engines}
     sent = {e: 0 for e in engines}  # ours: bytes this rank sent over the timed steps (ShardGroup's counters)
     last: Dict[str, float] = {}
-    cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute + gloo) per step
+    cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute and gloo's) per step
+    opt_times = {e: [] for e in engines}  # the optimizer part of each step
     prof = row_profiler(device) if args.profile else None  # one torch.profiler over every engine's steps
     for s in range(total):
         x = data[s][rank * args.batch : (rank + 1) * args.batch].to(device)
@@ -299,6 +354,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
             if s >= args.warmup:
                 sent[r.name] += (sum(group.sent.values()) - bytes0) if group is not None else 0
                 times[r.name].append(dt)
+                opt_times[r.name].append(r.opt_seconds)
                 losses[r.name].append(loss.float().item())
                 cpu[r.name].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
         if rank == 0 and args.verbose:
@@ -312,7 +368,9 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
                         for r in runners], dtype=torch.float64)
     work = torch.tensor([cpu[e] for e in engines], dtype=torch.float64)
     sent_mb = torch.tensor([sent[e] / max(1, args.steps) / 2**20 for e in engines], dtype=torch.float64)
+    opt_t = torch.tensor([opt_times[e] for e in engines], dtype=torch.float64)
     if not fake:
+        dist.all_reduce(opt_t, op=dist.ReduceOp.MAX)
         dist.all_reduce(work, op=dist.ReduceOp.MAX)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo)
@@ -324,7 +382,8 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     if rank != 0:
         return None
     return {"row": row, "params": n_params, "engines": engines, "times": t.tolist(), "losses": lo.tolist(),
-            "mem": mem.tolist(), "cpu": work.tolist(), "sent_mb": sent_mb.tolist(), "profiles": profiles}
+            "mem": mem.tolist(), "cpu": work.tolist(), "sent_mb": sent_mb.tolist(), "opt_times": opt_t.tolist(),
+            "profiles": profiles}
 
 
 def format_table(results: List[dict], args, world: int, device: torch.device, fake: bool) -> str:
@@ -355,8 +414,10 @@ def format_table(results: List[dict], args, world: int, device: torch.device, fa
             # a compiled engine is compared with DDP / FSDP2 compiled the same way (when those rows run)
             ddp_ref, fsdp2_ref = [f"{ref}+compile" if "compile" in e and f"{ref}+compile" in idx else ref
                                   for ref in ("ddp", "fsdp2")]
+            if e.endswith("/muon"):  # (Muon engines are compared with DDP running Muon)
+                ddp_ref, fsdp2_ref = "ddp/muon", "-"
             med = statistics.median(t[i])
-            if e in ("ddp", "ddp+compile", "nocomm") or fake or ddp_ref not in idx:
+            if e in ("ddp", "ddp+compile", "ddp/muon", "nocomm") or fake or ddp_ref not in idx:
                 dloss = "0 (ref)" if e.startswith("ddp") else "-"
             else:
                 dloss = f"{max(abs(a - b) for a, b in zip(res['losses'][i], res['losses'][idx[ddp_ref]])):.1e}"
@@ -404,6 +465,10 @@ def worker(rank: int, world: int, port: int, args) -> None:
                 results.append(res)
         if rank == 0:
             table = format_table(results, args, world, device, args.fake_pg)
+            muon = muon_table(results)
+            if muon:
+                table += ("\n\nMuon (torch.optim.Muon over the hidden matrices, AdamW over the rest) against the same "
+                          "engine on AdamW:\n\n" + muon)
             print("\n" + table + "\n", flush=True)
             for res in results:
                 for name, text in res["profiles"].items():
@@ -419,6 +484,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="gpt2-5M,llama-5M,llama-40M,llama-150M", help=f"comma list of {', '.join(SIZES)}")
     p.add_argument("--compile-rows", default="llama-40M", help="rows that also run the '+compile' engines")
+    p.add_argument("--muon-rows", default="llama-40M", help="rows that also run ours/muon and ddp/muon (Muon over the "
+                   "hidden matrices, AdamW over the rest); '' for none")
     p.add_argument("--engines", default=",".join(BASE_ENGINES), help="comma list of ddp, fsdp1, fsdp2, nocomm")
     p.add_argument("--ours", default="ours,ours+compile", help="comma list of our engine's variants, e.g. ours,ours+noreshard+bpre "
                    f"(options: {', '.join(patches.OPTIONS)}; 'proposed' = {'+'.join(patches.PROPOSED)})")
@@ -443,6 +510,7 @@ def parse_args(argv=None):
         args.steps, args.warmup = 5, 1
     args.rows = [r for r in args.rows.split(",") if r]
     args.compile_rows = [r for r in args.compile_rows.split(",") if r]
+    args.muon_rows = [r for r in args.muon_rows.split(",") if r and hasattr(torch.optim, "Muon")]
     args.engines = [e for e in args.engines.split(",") if e]
     args.ours = [e for e in args.ours.split(",") if e]
     for r in args.rows:
