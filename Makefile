@@ -11,7 +11,7 @@ $(VENV_STAMP): pyproject.toml $(PINS)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(PINS) torch
-	$(PY) -m pip install -q -c $(PINS) -e '.[test]'
+	$(PY) -m pip install -q -c $(PINS) -e '.[test,bnb]'
 	touch $(VENV_STAMP)
 
 example: $(VENV_STAMP)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.nn as nn
 
-from . import generation, patches
+from . import generation, patches, quantization
 from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
@@ -94,6 +94,7 @@ class FullyShardedDataParallel(nn.Module):
         self.options = options
         if "wrapper" not in patches.INSTALLED:
             patches.install("wrapper")  # the optimizer step hook that refuses steps during backward
+        quantization.install_for(module)  # bitsandbytes 4-bit layers: their forward on gathered views
         self.module = module
         self.shard_group = ShardGroup(process_group, options)
         device = _target_device(module, self.shard_group, device_id)

@@ -42,7 +42,7 @@ from ._compat import step_without_hooks
 from .comm import ShardGroup
 from .engine import ADAPTER, CudaStreams, HostAdapter
 from .profiler import span
-from .state_dict.model import live_records
+from .state_dict.model import flat_slots
 
 __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes"]
 
@@ -113,8 +113,7 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
                          f"{' and unsharded ones' if len(groups) == 1 else ''}: accel_flatshard computes each matrix "
                          "on one rank of its model's shard group; build one optimizer per prepared model")
     group: ShardGroup = next(iter(groups.values()))
-    where = {id(p): (flat, i) for record in live_records() if record.group is group for unit in record.units
-             for flat in unit.flat_params for i, p in enumerate(flat.params)}
+    where = flat_slots(group)
     matrices, devices = [], set()
     for p in params:
         flat, i = where[id(p)]

@@ -61,7 +61,8 @@ class Patch:
 SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
           "wrapper": "the first wrap, every Accelerator", "offload": "the first wrap with CPU offload",
           "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA",
-          "process_group": "register(), every Accelerator (before accelerate sets up the process group)"}
+          "process_group": "register(), every Accelerator (before accelerate sets up the process group)",
+          "quantized": "the first wrap of a model with bitsandbytes 4-bit layers"}
 _TORCH_HOOKS = "torch 2.11, 2.13, 2.15"
 
 
@@ -150,6 +151,12 @@ PATCHES: Tuple[Patch, ...] = (
           "gradient must be a 2D matrix'): a Muon over sharded parameters computes each matrix's step on one owner "
           "rank, with Muon's own code, and its own step then runs over no parameters", _TORCH_HOOKS, hook=True,
           scope="wrapper"),
+    Patch("bitsandbytes_state_precision", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
+          "accel_flatshard.quantization:state_precision_of_full_parameters",
+          "bitsandbytes' 8-bit optimizers choose 8-bit or 32-bit state by the size of the tensor they step, here a "
+          "rank's piece: a parameter one process keeps in 8 bits got 32-bit state where its piece is small (more "
+          "than 1/W of the state); before the first step each piece gets its full parameter's choice, through "
+          "bitsandbytes' own per-parameter override", _TORCH_HOOKS, hook=True, scope="wrapper"),
     Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
           "accel_flatshard.offload:wait_for_copies_before_step",
           "with CPU offload the step writes the host shards, which copies to the GPU may still read: the host "
@@ -164,6 +171,13 @@ PATCHES: Tuple[Patch, ...] = (
           "accel_flatshard.generation:release_frozen_units",
           "units a frozen model keeps gathered go stale when a step changes its shards (TRL's sync_ref_model writes "
           "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
+    Patch("bitsandbytes_4bit_gathered_weights", "bitsandbytes.nn.modules", "fix_4bit_weight_quant_state_from_module",
+          "accel_flatshard.quantization:keeping_gathered_4bit_weights",
+          "a 4-bit layer's forward finds the gathered view accel_flatshard installed as its weight without a quant "
+          "state and registers a new Params4bit over it, replacing the sharded parameter (state dicts and "
+          "checkpoints lose it); its CPU packing path (evaluation) rewrites data the next gather brings back: the "
+          "view gets the layer's quant state in the instance dict, and the packing path is off for sharded layers",
+          "bitsandbytes 0.50.2", wraps_original=True, optional_owner=True, scope="quantized"),
     Patch("accelerate_fsdp_state", "accelerate.state", "PartialState._shared_state",
           "accelerate.utils:DistributedType.FSDP",
           "on a host without CUDA the Accelerator switches accelerate's MULTI_CPU state to FSDP; PartialState keeps "

@@ -23,7 +23,7 @@ LAYERS = [
     ("storage and collectives", ["flat_param", "comm", "device", "offload", "checkpoint.format"]),  # format: errors
     ("state in memory", ["state_dict"]),  # the wrapper hands it its schedule at install
     ("engine", ["engine"]),
-    ("units and schedule", ["unit", "schedule", "outside_reads", "wrap", "grad_norm", "matrix_optim"]),
+    ("units and schedule", ["unit", "schedule", "outside_reads", "wrap", "grad_norm", "matrix_optim", "quantization"]),
     ("wrapper", ["fully_sharded", "generation", "compilation"]),
     ("checkpoints on disk", ["checkpoint"]),
     ("the planner", ["plan"]),  # the library: prepare's memory check calls it

@@ -87,10 +87,10 @@ def test_the_plain_wrapper_installs_its_hooks_at_its_first_wrap(clean_patches, w
 
     assert ours() == []
     FullyShardedDataParallel(torch.nn.Linear(4, 4))
-    assert ours() == ["refuse_step_during_backward", "owner_computes_step"]
+    assert ours() == ["refuse_step_during_backward", "owner_computes_step", "state_precision_of_full_parameters"]
     FullyShardedDataParallel(torch.nn.Linear(4, 4), cpu_offload=True)
     assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
-                              "wait_for_copies_before_step"]
+                              "state_precision_of_full_parameters", "wait_for_copies_before_step"]
 
 
 def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(clean_patches, monkeypatch):
@@ -107,9 +107,11 @@ def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(
     assert sorted(applied) == ["accelerate.state.PartialState._shared_state['distributed_type']", *(
         f"torch.optim.optimizer.register_optimizer_step_{when}_hook({name})" for when, name in [
             ("post", "release_frozen_units"), ("pre", "owner_computes_step"), ("pre", "prefer_fused_host_adam"),
-            ("pre", "refuse_step_during_backward"), ("pre", "wait_for_copies_before_step")])]
+            ("pre", "refuse_step_during_backward"), ("pre", "state_precision_of_full_parameters"),
+            ("pre", "wait_for_copies_before_step")])]
     assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
-                              "release_frozen_units", "wait_for_copies_before_step"]
+                              "release_frozen_units", "state_precision_of_full_parameters",
+                              "wait_for_copies_before_step"]
     assert PartialState._shared_state["distributed_type"] is DistributedType.FSDP
     # offload onto a GPU: a stock AdamW steps fused (a stand-in for the offloaded parameters' host buffers)
     param = torch.nn.Parameter(torch.zeros(4))

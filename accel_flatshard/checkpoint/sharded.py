@@ -3,9 +3,10 @@
 Each rank writes only its own slices (with hybrid sharding only shard group 0 writes): parameter ``name`` under
 the DCP key ``name``, buffers (rank 0) under theirs, optimizer state under ``state.<name>.<key>`` (0-dim state
 such as ``step`` written once; a matrix optimizer's state held whole by the matrix's owner, ``matrix_optim.py``,
-written by the owner as one chunk).  DCP's metadata describes each as a tensor of its true shape made of rectangular
-chunks (``dcp.py``), so a load at any world size or hybrid group size reads, on each rank, only the chunks that
-overlap its own slices.  Directory layout::
+written by the owner as one chunk; state of a rank's piece only, bitsandbytes' block scales and tables, under
+``state.<name>.<key>.shard<r>``, loaded only at the shard group size of the save).  DCP's metadata describes each
+as a tensor of its true shape made of rectangular chunks (``dcp.py``), so a load at any world size or hybrid group
+size reads, on each rank, only the chunks that overlap its own slices.  Directory layout::
 
     ckpt/
       __0_0.distcp  __1_0.distcp ...   tensor data, one file per rank (DCP, torch.save per chunk)
@@ -34,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from .. import comm
 from ..state_dict.model import ModelIndex, ParamInfo
-from ..state_dict.optim import (SCALAR, SHARDED, WHOLE, check_groups, decode_value, encode_groups, encode_value,
-                                optimizer_groups, sharded_local, state_schema, torch_state_dict)
+from ..state_dict.optim import (LOCAL, SCALAR, SHARDED, WHOLE, check_groups, decode_value, encode_groups,
+                                encode_value, optimizer_groups, sharded_local, state_schema, torch_state_dict)
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
 from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
 from .dcp import storage_records
@@ -104,6 +105,12 @@ def optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tup
                     entries[name] = _range(info, sharded_local(info, optimizer, key, dtype))
                 elif index.group.replica_index == 0 and isinstance(own, torch.Tensor):  # the owner: one chunk
                     entries[name] = FlatRange(own.detach().reshape(-1), 0, info.shape)
+            elif kind == LOCAL:  # every shard rank's own tensor, under a name of its own
+                for r, shape in sorted(value.items()):
+                    tensors[f"{name}.shard{r}"] = dict(kind="local", param=info.fqn, key=key, shard=r, shape=shape,
+                                                       dtype=dtype)
+                if index.group.replica_index == 0:
+                    entries[f"{name}.shard{index.group.shard_rank}"] = optimizer.state[info.param][key].detach()
             elif kind == SCALAR:
                 tensors[name] = {"kind": "scalar", "param": info.fqn, "key": key, "shape": [], "dtype": dtype}
                 own = optimizer.state.get(info.param, {}).get(key)
@@ -201,12 +208,19 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
             info = index.params[fqn]
             dtype = str_to_dtype(desc["dtype"], name)
             if desc["kind"] == "state":
+                # (its dtype is the optimizer's: bitsandbytes' 8-bit codes are uint8; its load_state_dict casts)
                 if tuple(desc["shape"]) != info.shape:
                     problems.append(f"{name}: checkpoint shape {tuple(desc['shape'])}, parameter {info.shape}")
-                elif dtype != info.dtype:
-                    problems.append(f"{name}: checkpoint dtype {desc['dtype']}, parameter {dtype_to_str(info.dtype)}")
                 else:
                     entries[name] = _range(info, _target(optimizer, info, desc["key"], dtype))
+            elif desc["kind"] == "local":  # this shard rank's own, at the saved shard group size only
+                saved = meta.get("shard_size")
+                if saved != index.group.shard_size:
+                    problems.append(f"{name}: state of each rank's piece (e.g. bitsandbytes' block scales), saved with "
+                                    f"a shard group of {saved} ranks: it loads only at that size, not "
+                                    f"{index.group.shard_size}")
+                elif desc["shard"] == index.group.shard_rank:
+                    entries[name] = torch.empty(desc["shape"], dtype=dtype, device=info.flat.device)
             elif desc["kind"] == "scalar":
                 entries[name] = torch.empty((), dtype=dtype)
             else:
@@ -218,6 +232,8 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
     meta, entries = _load(model, directory, "optimizer", verify_checksums, targets)
     state = {fqn: {key: decode_value(v) for key, v in vals.items()} for fqn, vals in meta.get("values", {}).items()}
     for name, desc in meta["tensors"].items():
+        if name not in entries:
+            continue  # another shard rank's local state
         entry = entries[name]
         state.setdefault(desc["param"], {})[desc["key"]] = entry.local if isinstance(entry, FlatRange) else entry
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, meta["param_groups"]))

@@ -178,10 +178,12 @@ class Accelerator(_BaseAccelerator):
                 "the model has parameters on the meta device (cpu_ram_efficient_loading) but "
                 "fsdp_sync_module_states is false: nothing would fill them; set it to true")
         if self.state.mixed_precision != "no":
-            low = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+            low = [(n, p) for n, p in model.named_parameters()
+                   if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
             if low:
-                # as accelerate does for torch FSDP: the sharded master copy (what the optimizer updates) is fp32,
-                # compute stays in the mixed-precision dtype; upcast where each parameter is (host or meta)
+                # as accelerate does for torch FSDP: the sharded master copy of what the optimizer updates is fp32,
+                # compute stays in the mixed-precision dtype; upcast where each parameter is (host or meta).  Frozen
+                # parameters keep their dtype (a QLoRA base's 4-bit weights are bit patterns in their storage dtype)
                 warnings.warn(f"accel_flatshard: upcasting {len(low)} low-precision parameters to fp32 "
                               f"(e.g. {low[0][0]}) because mixed precision is on", stacklevel=4)
                 for _, p in low:

@@ -95,6 +95,13 @@ def live_records() -> List[ShardedModuleRecord]:
     return [record for record in list(_RECORDS) if record.wrapper() is not None]
 
 
+def flat_slots(group: Any) -> Dict[int, Tuple[Any, int]]:
+    """``id(parameter) -> (its FlatParameter, its slot index)`` for every parameter sharded over ``group`` (a
+    ShardGroup: the ``_flatshard_group`` of the parameters)."""
+    return {id(p): (flat, i) for record in live_records() if record.group is group for unit in record.units
+            for flat in unit.flat_params for i, p in enumerate(flat.params)}
+
+
 def record_of(module: Any) -> Optional[ShardedModuleRecord]:
     return getattr(module, "__dict__", {}).get(_ATTR)
 

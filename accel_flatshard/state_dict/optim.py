@@ -4,6 +4,9 @@ A stock torch optimizer keeps, per parameter (a 1-D slice of a shard), tensors o
 ("sharded": ``exp_avg``), 0-dim tensors ("scalar": ``step``) and Python values ("value").  A matrix optimizer
 stepped owner-computes (``matrix_optim.py``: Muon's ``momentum_buffer``) keeps a tensor of the parameter's full
 shape on the one rank of the shard group that owns the matrix ("whole"; its value in the schema: that shard rank).
+bitsandbytes' 8-bit optimizers keep, besides per-element codes, a scale per 256-element block of the piece and
+lookup tables ("local": state of this rank's piece, not of the parameter; its value in the schema: each shard rank's
+shape).  Local state is saved rank by rank and loads only at the shard group size it was saved at.
 :func:`state_schema` describes it by name (``{name: {key: (kind, dtype, value)}}``, merged over ranks);
 :func:`encode_groups` writes JSON-able param groups.  A full optimizer state dict (:func:`full_optim_state_dict`'s,
 on rank 0)::
@@ -30,8 +33,12 @@ from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
 from .model import ModelIndex, ParamInfo, gather_full, plan_where_given
 
 
-SHARDED, SCALAR, VALUE, WHOLE = "sharded", "scalar", "value", "whole"
+SHARDED, SCALAR, VALUE, WHOLE, LOCAL = "sharded", "scalar", "value", "whole", "local"
 _SKIP_GROUP_KEYS = ("params", "param_names")
+# bitsandbytes' per-block scales and lookup tables (by key: a table of 256 entries would pass for a piece of 256)
+_LOCAL_KEYS = frozenset(("absmax1", "absmax2", "qmap1", "qmap2", "max1", "max2", "new_max1", "new_max2", "gnorm_vec",
+                         "unorm_vec"))
+_RANK_LOCAL = "rank_local"  # in a full dict: {"rank_local": [shard rank 0's tensor, ...]}
 
 
 # ---------------------------------------------------------------------- the schema
@@ -47,6 +54,8 @@ def optimizer_groups(optimizer: torch.optim.Optimizer, of_param: Dict[int, Any])
 
 def _describe(value: Any) -> Tuple[str, Optional[str], Any]:
     """``(kind, dtype, value)`` of one optimizer state entry (value only for scalar and plain state)."""
+    if isinstance(value, dict) and _RANK_LOCAL in value:  # (a full dict's)
+        return LOCAL, dtype_to_str(value[_RANK_LOCAL][0].dtype), [list(t.shape) for t in value[_RANK_LOCAL]]
     if isinstance(value, torch.Tensor) and value.dim() >= 1:
         return SHARDED, dtype_to_str(value.dtype), None
     if isinstance(value, torch.Tensor):
@@ -62,11 +71,9 @@ def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer
             desc = _describe(value)
             if desc[0] == SHARDED and value.dim() >= 2 and tuple(value.shape) == tuple(info.shape):
                 desc = (WHOLE, desc[1], shard_group.shard_rank)  # held whole by its owner (1-D pieces are 1-D)
+            elif desc[0] == SHARDED and (key in _LOCAL_KEYS or value.numel() != info.piece.length):
+                desc = (LOCAL, desc[1], {shard_group.shard_rank: list(value.shape)})
             local.setdefault(info.fqn, {})[key] = desc
-            if desc[0] == SHARDED and value.numel() != info.piece.length:
-                raise CheckpointError(
-                    f"optimizer state {info.fqn!r}[{key!r}] has {value.numel()} elements, but this rank's piece of "
-                    f"the parameter has {info.piece.length}; only per-element state can be sharded")
     merged: Dict[str, Dict[str, Tuple]] = {}
     for schema in comm.all_gather_object(shard_group.world_group, local):
         for fqn, entry in schema.items():
@@ -75,7 +82,10 @@ def state_schema(groups: List[List[ParamInfo]], optimizer: torch.optim.Optimizer
                 if key in target and target[key][:2] != desc[:2]:
                     raise CheckpointError(
                         f"optimizer state {fqn!r}[{key!r}] differs between ranks: {target[key][:2]} vs {desc[:2]}")
-                target.setdefault(key, desc)
+                if desc[0] == LOCAL and key in target:
+                    target[key][2].update(desc[2])  # every shard rank's shape
+                else:
+                    target.setdefault(key, desc)
     return merged
 
 
@@ -182,10 +192,11 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
     state: Dict[str, Dict[str, Any]] = {}
     for flat in index.flat_params if not rank0_only or group.replica_index == 0 else ():
         infos = [index.by_param_id[id(p)] for p in flat.params]
-        keys = {key: dtype for i in reversed(infos)  # (the first parameter's dtype of a key)
-                for key, (kind, dtype, _) in schema.get(i.fqn, {}).items() if kind == SHARDED}
-        for key, dtype in keys.items():
-            holders = [i for i in infos if schema.get(i.fqn, {}).get(key, (None,))[0] == SHARDED]
+        # one gather per key and dtype (bitsandbytes keeps uint8 codes for large parameters, fp32 for small ones)
+        keys = dict.fromkeys((key, dtype) for i in infos
+                             for key, (kind, dtype, _) in schema.get(i.fqn, {}).items() if kind == SHARDED)
+        for key, dtype in keys:
+            holders = [i for i in infos if schema.get(i.fqn, {}).get(key, (None, None))[:2] == (SHARDED, dtype)]
             shard = torch.zeros(flat.layout.shard_numel, dtype=str_to_dtype(dtype), device=flat.device)
             for info in holders:
                 piece = info.piece
@@ -206,9 +217,20 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ra
                 if receives:
                     state.setdefault(info.fqn, {})[key] = full.to("cpu", copy=True)
                 del full
+            elif kind == LOCAL:  # every shard rank's own tensor, in shard rank order
+                pieces = []
+                for r in range(group.shard_size):
+                    own = optimizer.state[info.param][key] if r == group.shard_rank else None
+                    piece = (own.detach().contiguous() if own is not None else
+                             torch.empty(holder[r], dtype=str_to_dtype(dtype), device=info.flat.device))
+                    comm.broadcast_tensor(group.shard_group, piece, src=r)
+                    pieces.append(piece.to("cpu", copy=True) if receives else None)
+                if receives:
+                    state.setdefault(info.fqn, {})[key] = {_RANK_LOCAL: pieces}
     if not receives:
         return {}
-    ordered = {info.fqn: {key: state[info.fqn][key] if kind in (SHARDED, WHOLE) else state_value(kind, dtype, value)
+    ordered = {info.fqn: {key: state[info.fqn][key] if kind in (SHARDED, WHOLE, LOCAL) else
+                          state_value(kind, dtype, value)
                           for key, (kind, dtype, value) in schema[info.fqn].items()}
                for infos in groups for info in infos if info.fqn in schema}
     param_groups = [{**{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
@@ -235,10 +257,17 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     for fqn, entry in schema.items():
         info, out = index.params[fqn], state.setdefault(fqn, {})
         for key, (kind, dtype, value) in entry.items():
+            given = optim_state_dict["state"][fqn] if optim_state_dict is not None else None
             if kind == SHARDED:
-                given = optim_state_dict["state"][fqn] if optim_state_dict is not None else None
                 full = fetch(given, key, info.numel, str_to_dtype(dtype), info.flat.device)
                 out[key] = full.narrow(0, info.piece.param_start, info.piece.length).to(info.flat.device).clone()
+            elif kind == LOCAL:  # this shard rank's own (each is broadcast in turn when rank 0 alone has the dict)
+                source = dict(enumerate(given[key][_RANK_LOCAL])) if given is not None else None
+                for r, shape in enumerate(value):
+                    numel = math.prod(shape)
+                    piece = fetch(source, r, numel, str_to_dtype(dtype), info.flat.device)
+                    if r == group.shard_rank:
+                        out[key] = piece.to(info.flat.device).reshape(shape).clone()
             else:
                 out[key] = state_value(kind, dtype, value)
     optimizer.load_state_dict(torch_state_dict(optimizer, names, state, hyper))
@@ -258,6 +287,10 @@ def _plan(index: ModelIndex, names: List[List[str]], osd: Any):
             continue
         shape = index.params[fqn].shape
         schema[fqn] = {key: _describe(value) for key, value in entry.items()}
+        size = index.group.shard_size
+        problems += [f"state {fqn!r}[{key!r}] is state of each rank's piece, saved with a shard group of "
+                     f"{len(desc[2])} ranks: it loads only at that size, not {size}"
+                     for key, desc in schema[fqn].items() if desc[0] == LOCAL and len(desc[2]) != size]
         problems += [f"state {fqn!r}[{key!r}] has shape {tuple(value.shape)}, the parameter has {shape}"
                      for key, value in entry.items() if schema[fqn][key][0] == SHARDED and tuple(value.shape) != shape]
     if problems:

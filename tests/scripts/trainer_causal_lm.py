@@ -17,7 +17,8 @@ The tests run it unmodified under accelerate's DDP (reference) and through
   as the transformers docs advise for FSDP, unless ``--final_save_as_configured``), to be loaded with
   ``from_pretrained``; ``state_dict_type`` (``_after_final_save``): the plugin's, before and after it;
 * ``--fsdp`` / ``--fsdp_version``: the Trainer's own ``TrainingArguments(fsdp=..., fsdp_config=...)`` (no yaml);
-* ``best_model_checkpoint`` / ``eval_loss_after`` with ``--load_best_model_at_end``.
+* ``best_model_checkpoint`` / ``eval_loss_after`` with ``--load_best_model_at_end``;
+* ``--optim``: ``TrainingArguments(optim=...)``, e.g. ``adamw_bnb_8bit``.
 """
 import argparse
 import json
@@ -49,6 +50,7 @@ def parse_args():
     p.add_argument("--torch_compile", action="store_true", help="TrainingArguments(torch_compile=True), use_cache=False")
     p.add_argument("--fsdp", default=None, help="TrainingArguments(fsdp=...), e.g. 'full_shard auto_wrap' (no yaml)")
     p.add_argument("--fsdp_version", type=int, default=None, help="with --fsdp: fsdp_config['version']")
+    p.add_argument("--optim", default=None, help="TrainingArguments(optim=...), e.g. adamw_bnb_8bit")
     p.add_argument("--final_save_as_configured", action="store_true",
                    help="final save_model() without switching to FULL_STATE_DICT first")
     return p.parse_args()
@@ -121,6 +123,7 @@ def main():
         dataloader_drop_last=True,
         disable_tqdm=True,
         torch_compile=args.torch_compile,
+        **({"optim": args.optim} if args.optim else {}),
         **fsdp,
     )
     world_size_before_trainer = training_args.world_size

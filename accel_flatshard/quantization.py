@@ -1,0 +1,101 @@
+"""bitsandbytes over flat shards: 8-bit optimizer state as one process keeps it, 4-bit (QLoRA) layers on gathered
+views.
+
+**8-bit optimizers.**  bitsandbytes keeps blockwise 8-bit state (blocks of 256 elements, each with its absmax) for a
+parameter of at least ``min_8bit_size`` elements (4096 by default) and 32-bit state for smaller ones, deciding on
+``p.numel()``.  Under sharding ``p`` is this rank's piece, so a parameter that one process keeps in 8 bits got
+32-bit state on the ranks holding a small piece of it: more than 1/W of the state, and other numerics than DDP's.
+:func:`state_precision_of_full_parameters`, an optimizer step pre-hook of ``patches.py``, sets bitsandbytes' own
+per-parameter override (``min_8bit_size`` in its ``GlobalOptimManager``) before the first step, so that every piece
+follows its full parameter (overrides bitsandbytes applies later, such as the Trainer's 32-bit embeddings, win).
+
+Blocks: each rank quantizes its own piece in 256-element blocks from the piece's first element, so no block
+straddles two ranks.  Where a shard boundary cuts a parameter, the blocks after it are shifted against one
+process's: lining them up would take a 256-element alignment of every parameter in the flat layout (up to 255
+padded elements each, a change of ``flat_param.py``'s layout), not made here.  So a block's absmax, and bitsandbytes'
+lookup tables, are state of this rank's piece, not of the parameter: checkpoints keep them rank by rank
+(``state_dict/optim.py``: "local" entries), and a resume is exact at the shard group size of the save.
+
+**4-bit layers.**  A 4-bit weight (``Params4bit``, stored as ``bnb_4bit_quant_storage``: a floating dtype, bf16 for
+QLoRA, so that it flattens with the frozen parameters) is sharded as its storage.  In forward the wrapper installs a
+plain view of the gathered storage as the module's ``weight``; bitsandbytes' ``fix_4bit_weight_quant_state_from_module``
+then *registers* a new ``Params4bit`` over that view (replacing the sharded parameter: state dicts and checkpoints
+would lose it).  :func:`keeping_gathered_4bit_weights` (a ``patches.py`` entry, installed by :func:`install_for` when
+a wrapped model has 4-bit layers) gives the installed view the quantization state instead, leaving the registered
+parameter alone, and turns off bitsandbytes' CPU packing path, which rewrites the weight's data and its shared
+quantization state in an evaluation forward: the next gather brings the unpacked data back.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import patches
+from .state_dict.model import flat_slots
+
+__all__ = ["state_precision_of_full_parameters", "is_bitsandbytes_blockwise", "keeping_gathered_4bit_weights",
+           "install_for"]
+
+_DONE = "_flatshard_precision_set"  # in the optimizer's __dict__ once its overrides are set
+_FOUR_BIT = ("Linear4bit", "Embedding4bit")
+
+
+def is_bitsandbytes_blockwise(optimizer: torch.optim.Optimizer) -> bool:
+    """A bitsandbytes 8-bit-capable optimizer (``bnb.optim.AdamW8bit``, ``PagedAdamW8bit``, ...), found by class
+    without importing bitsandbytes."""
+    return any(c.__name__ == "Optimizer8bit" and c.__module__.startswith("bitsandbytes")
+               for c in type(optimizer).__mro__)
+
+
+def state_precision_of_full_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook (an entry of ``patches.py``): before a bitsandbytes optimizer's first step over
+    sharded parameters, each piece whose full parameter gets 8-bit state in one process gets it too."""
+    if _DONE in optimizer.__dict__ or not is_bitsandbytes_blockwise(optimizer):
+        return
+    optimizer.__dict__[_DONE] = True
+    slots = {}
+    for gindex, group in enumerate(optimizer.param_groups):
+        for pindex, p in enumerate(group["params"]):
+            shard_group = getattr(p, "_flatshard_group", None)
+            if shard_group is None:
+                continue
+            if id(shard_group) not in slots:
+                slots[id(shard_group)] = flat_slots(shard_group)
+            flat, i = slots[id(shard_group)][id(p)]
+            full = flat.layout.slots[i].numel
+            smallest = optimizer.get_config(gindex, pindex, group)["min_8bit_size"]
+            if p.numel() < smallest <= full:
+                optimizer.mng.pid2config.setdefault(id(p), {})["min_8bit_size"] = 0
+
+
+def _is_4bit_layer(module: nn.Module) -> bool:
+    return type(module).__name__ in _FOUR_BIT and type(module).__module__.startswith("bitsandbytes")
+
+
+def install_for(module: nn.Module) -> None:
+    """Called by the wrapper: a model with bitsandbytes 4-bit layers gets :func:`keeping_gathered_4bit_weights`."""
+    if "quantized" not in patches.INSTALLED and any(_is_4bit_layer(m) for m in module.modules()):
+        patches.install("quantized")
+
+
+@functools.lru_cache(maxsize=None)
+def keeping_gathered_4bit_weights(original: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """bitsandbytes' ``fix_4bit_weight_quant_state_from_module`` (called at the start of a 4-bit layer's forward)
+    that, for a sharded weight, wraps the gathered view installed as ``module.weight`` in a ``Params4bit`` carrying
+    the layer's quantization state, in the instance dict: the registered (sharded) parameter stays."""
+    @functools.wraps(original)
+    def fix_4bit_weight_quant_state_from_module(module: nn.Module) -> None:
+        registered, installed = module._parameters.get("weight"), module.__dict__.get("weight")
+        if getattr(registered, "_flatshard_group", None) is None or installed is None:
+            return original(module)  # not sharded, or inside summon_full_params (the parameter is the full weight)
+        module.support_avx512bf16_for_cpu = False  # (its packing path rewrites data the next gather brings back)
+        if getattr(installed, "quant_state", None) is None:
+            module.__dict__["weight"] = type(registered)(
+                installed, requires_grad=False, quant_state=module.quant_state, blocksize=registered.blocksize,
+                compress_statistics=registered.compress_statistics, quant_type=registered.quant_type,
+                quant_storage=registered.quant_storage, bnb_quantized=True)
+
+    return fix_4bit_weight_quant_state_from_module
