@@ -44,7 +44,8 @@ from .engine import ADAPTER, CudaStreams, HostAdapter
 from .profiler import span
 from .state_dict.model import flat_slots
 
-__all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes"]
+__all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
+           "matrix_optimizer_and_adamw"]
 
 _ATTR = "_flatshard_owner_computes"  # the user's optimizer's OwnerComputes, in its __dict__
 # hyperparameters a scheduler changes every step: they cannot make Muon raise, so they do not re-run the dry run
@@ -68,6 +69,27 @@ class Matrix:
     numel: int
     pieces: List[Tuple[int, int]]  # (first element, length) of the piece each shard rank holds
     owner: int = 0  # shard rank
+
+
+def hidden_matrices(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """Muon's documented split of ``model``'s trainable parameters, before wrapping: the 2-D parameters of the
+    hidden layers, and the rest (embeddings, the output head, norms, biases) for a standard optimizer."""
+    outside = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    outside.update(id(p) for p in (head.parameters() if isinstance(head, nn.Module) else ()))
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in params if p.ndim == 2 and id(p) not in outside]
+    chosen = {id(p) for p in matrices}
+    return matrices, [p for p in params if id(p) not in chosen]
+
+
+def matrix_optimizer_and_adamw(cls: type, model: nn.Module, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """``cls`` (Muon) over ``model``'s hidden matrices and AdamW over the rest, chained (the planner's optimizer for
+    ``--optimizer Muon``)."""
+    from .chained_optimizer import ChainedOptimizer
+
+    matrices, rest = hidden_matrices(model)
+    return ChainedOptimizer([cls(matrices, lr=lr), torch.optim.AdamW(rest, lr=lr)])
 
 
 def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:

@@ -84,8 +84,8 @@ def install_for(module: nn.Module) -> None:
 @functools.lru_cache(maxsize=None)
 def keeping_gathered_4bit_weights(original: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
     """bitsandbytes' ``fix_4bit_weight_quant_state_from_module`` (called at the start of a 4-bit layer's forward)
-    that, for a sharded weight, wraps the gathered view installed as ``module.weight`` in a ``Params4bit`` carrying
-    the layer's quantization state, in the instance dict: the registered (sharded) parameter stays."""
+    that, for a sharded weight, gives the gathered view installed as ``module.weight`` the layer's quantization
+    state: the registered (sharded) parameter stays."""
     @functools.wraps(original)
     def fix_4bit_weight_quant_state_from_module(module: nn.Module) -> None:
         registered, installed = module._parameters.get("weight"), module.__dict__.get("weight")
@@ -93,9 +93,6 @@ def keeping_gathered_4bit_weights(original: Callable[[nn.Module], None]) -> Call
             return original(module)  # not sharded, or inside summon_full_params (the parameter is the full weight)
         module.support_avx512bf16_for_cpu = False  # (its packing path rewrites data the next gather brings back)
         if getattr(installed, "quant_state", None) is None:
-            module.__dict__["weight"] = type(registered)(
-                installed, requires_grad=False, quant_state=module.quant_state, blocksize=registered.blocksize,
-                compress_statistics=registered.compress_statistics, quant_type=registered.quant_type,
-                quant_storage=registered.quant_storage, bnb_quantized=True)
+            installed.quant_state = module.quant_state  # (a fresh view at every gather; the planner's is fake)
 
     return fix_4bit_weight_quant_state_from_module

@@ -84,9 +84,35 @@ def mixtral(experts_implementation: Optional[str] = None) -> nn.Module:
     return MixtralForCausalLM(config)
 
 
+def qlora() -> nn.Module:
+    """A tiny Llama whose blocks' linear layers are 4-bit (nf4, bf16 storage, as tests/test_qlora.py loads them),
+    with LoRA adapters; quantized in memory on the host, whatever the device in use."""
+    import bitsandbytes as bnb
+    import models
+    from peft import LoraConfig, get_peft_model
+    from test_qlora import TARGETS
+
+    with torch.device("cpu"):
+        model = models.llama(n_layer=2, hidden=64).to(torch.bfloat16)
+        for block in model.model.layers:
+            for parent in (block.self_attn, block.mlp):
+                for name, linear in [(n, c) for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+                    quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
+                                                  compute_dtype=torch.bfloat16, quant_type="nf4",
+                                                  quant_storage=torch.bfloat16)
+                    quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                                         quant_storage=torch.bfloat16, module=quantized)
+                    setattr(parent, name, quantized.to("cpu"))  # (quantizes)
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    model.train()
+    return model
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Optional[List[str]]]] = {
     "llama": (llama, None), "llama-vocab": (llama_vocab, None), "gpt2": (gpt2, None), "toy": (toy, ["Block", "Scale"]),
-    "mixtral": (mixtral, None), "mixtral-eager": (lambda: mixtral("eager"), None), "llama-gqa": (llama_gqa, None)}
+    "mixtral": (mixtral, None), "mixtral-eager": (lambda: mixtral("eager"), None), "llama-gqa": (llama_gqa, None),
+    "qlora": (qlora, ["LlamaDecoderLayer"])}
 
 
 def make_batch(name: str) -> Callable[[int], Any]:
@@ -104,6 +130,7 @@ class Row:
     world_size: int
     cfg: Config
     label: str = ""
+    optimizer: str = "adamw"  # or "muon": torch.optim.Muon over the hidden matrices, AdamW over the rest
 
     def options(self) -> FlatShardOptions:
         return self.cfg.options
@@ -112,7 +139,8 @@ class Row:
         def build() -> nn.Module:
             with torch.device("meta"):
                 return MODELS[self.model][0]()
-        return Planner(build, self.options(), self.world_size, BATCH, make_batch(self.model), device)  # AdamW
+        optimizer = torch.optim.Muon if self.optimizer == "muon" else torch.optim.AdamW
+        return Planner(build, self.options(), self.world_size, BATCH, make_batch(self.model), device, optimizer=optimizer)
 
 
 def adamw(device: str) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:
@@ -120,11 +148,13 @@ def adamw(device: str) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:
 
 
 def row(model: str, world_size: int, label: str = "", mixed_precision=None, micro_batch: int = BATCH,
-        accumulation: str = "none", options: Optional[FlatShardOptions] = None, **settings: Any) -> Row:
+        accumulation: str = "none", options: Optional[FlatShardOptions] = None, optimizer: str = "adamw",
+        **settings: Any) -> Row:
     """A planner row: the model's blocks as units, ``settings`` (FlatShardOptions fields) over ``options``."""
     options = options or FlatShardOptions(auto_wrap="transformer", layer_cls_names=MODELS[model][1],
                                           mixed_precision=mixed_precision)
-    return Row(model, world_size, Config(dataclasses.replace(options, **settings), micro_batch, accumulation), label)
+    return Row(model, world_size, Config(dataclasses.replace(options, **settings), micro_batch, accumulation), label,
+               optimizer)
 
 
 class SimulatedOOM(RuntimeError):
@@ -150,9 +180,11 @@ class _LimitedTracker(MemTracker):
         return out
 
 
-def wrap(r: Row) -> FullyShardedDataParallel:
+def wrap(r: Row, before: Callable[[nn.Module], Any] = lambda model: None) -> FullyShardedDataParallel:
+    """``r``'s model wrapped (``before(model)``: called on the plain model first)."""
     torch.manual_seed(0)
     model = MODELS[r.model][0]()
+    before(model)
     opts = r.options()
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy_of(opts, model), options=opts)
     if opts.activation_checkpointing:
@@ -162,8 +194,15 @@ def wrap(r: Row) -> FullyShardedDataParallel:
 
 def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None, wrapped=None) -> int:
     """The measured peak of the last of ``steps`` optimizer steps (``sim``: the CUDA simulator's device peak)."""
-    wrapped = wrapped or wrap(r)
-    optimizer = adamw("cuda" if sim is not None else "cpu")(list(wrapped.parameters()))
+    if r.optimizer == "muon":  # built on the plain model (the matrices are 2-D there), as the planner does
+        from accel_flatshard.matrix_optim import matrix_optimizer_and_adamw
+
+        made = []
+        wrapped = wrap(r, lambda model: made.append(matrix_optimizer_and_adamw(torch.optim.Muon, model, lr=1e-3)))
+        optimizer = made[0]
+    else:
+        wrapped = wrapped or wrap(r)
+        optimizer = adamw("cuda" if sim is not None else "cpu")(list(wrapped.parameters()))
     batch = make_batch(r.model)(BATCH)
     chunks = [_split(batch, i, r.cfg.micro_batch) for i in range(0, BATCH, r.cfg.micro_batch)]
     peak = 0

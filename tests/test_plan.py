@@ -7,7 +7,8 @@ model).  The matrix: a Llama (untied head), a GPT-2 (tied head), a user's module
 tied across units, a unit called twice, a parameter-less unit, frozen parameters); FULL_SHARD,
 SHARD_GRAD_OP, HYBRID_SHARD and its ZeRO-2 form; prefetch on, off and BACKWARD_POST; activation
 checkpointing; bf16 (reduce in fp32 or bf16); offload; gradient accumulation both ways; a Mixtral in fp32 and
-bf16 (experts through aten._grouped_mm); grouped K/V heads with an attention mask (issue 30).  The issue asks
+bf16 (experts through aten._grouped_mm); grouped K/V heads with an attention mask (issue 30); Muon over the hidden
+matrices with AdamW over the rest (issue 44: the owners' whole momentum, the exchange's buffers).  The issue asks
 for 10% on every row; the planner replays the engine's own rules, so the rows are held to 2%.  Also the command
 line: every accelerate launch flag planned, inert or refused by name (issue 30), and `plan` against real
 launches (the README's, gradient accumulation both ways, a 2 x 2 parallelism_config).
@@ -15,6 +16,7 @@ launches (the README's, gradient accumulation both ways, a 2 x 2 parallelism_con
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -57,7 +59,9 @@ TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
              row("gpt2", 2, "offload + bf16", BF16, offload_params=True),
              row("gpt2", 2, "micro-batch 2, sync_each_batch", micro_batch=2, accumulation="sync_each_batch"),
              row("llama-vocab", 2, "FULL_SHARD, large vocabulary"),
-             row("llama", 2, "int8 weights and gradients", quantized_all_gather=True, quantized_reduce=True)]
+             row("llama", 2, "int8 weights and gradients", quantized_all_gather=True, quantized_reduce=True),
+             row("llama", 2, "Muon + AdamW (owner computes)", optimizer="muon")] + (
+    [row("qlora", 2, "QLoRA: 4-bit base, LoRA")] if importlib.util.find_spec("bitsandbytes") else [])
 FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
               row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", group_size=2, reshard_after_forward=False,
                   activation_checkpointing=True),
@@ -70,6 +74,24 @@ FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
 @pytest.mark.usefixtures("world_of_one")
 def test_planner_peak_matches_the_measured_step_one_rank():
     _check(ONE_RANK, [measure(r) for r in ONE_RANK], "1 rank")
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_planner_counts_4bit_weights_as_their_storage_and_matches_a_qlora_step():
+    """A QLoRA model (issue 44): its 4-bit weights are sharded and planned as their bf16 storage (4 weights per
+    element), and the plan matches the measured step (the issue asks for 10%)."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is an optional extra: pip install 'accel_flatshard[bnb]'")
+    from plan_rows import qlora
+
+    model = qlora()
+    weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert weight.dtype == torch.bfloat16 and weight.numel() == 64 * 64 // 4
+    r = row("qlora", 1, "QLoRA: 4-bit base, LoRA")
+    assert r.planner().numel == sum(p.numel() for p in model.parameters())  # (storage elements)
+    _check([r], [measure(r)], "1 rank, 4-bit base")
+    # the command line too (its model factory moves the model to the meta device: 4-bit weights are copied there)
+    assert plan_main(["--model", "tests/plan_rows.py:qlora", "--seq_len", "32", "--use_fsdp", "--num_processes", "2",
+                      "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--device", "cpu", "--json"]) == 0
 
 
 @pytest.mark.usefixtures("world_of_one")

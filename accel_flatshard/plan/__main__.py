@@ -18,6 +18,7 @@ from ..integrations.config import options_from_launch_args
 from ..sizes import parse_size
 from . import HARDWARE, Config, Planner, recommend, settings, step_time
 from .run import PERSISTENT
+from .trace import _copy
 from .launch import check_launch_args
 
 
@@ -55,7 +56,10 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
             model = factory()
         if not isinstance(model, nn.Module):
             raise ValueError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-        return model.to("meta")  # (parameters it made elsewhere)
+        try:
+            return model.to("meta")  # (parameters it made elsewhere)
+        except RuntimeError:  # a parameter subclass .to() cannot move (bitsandbytes' 4-bit weights): their storage
+            return _copy(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return build
 
 

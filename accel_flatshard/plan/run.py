@@ -18,6 +18,7 @@ from ..checkpoint.commit import snapshot_bytes
 from ..checkpoint.sharded import model_entries, optimizer_entries
 from ..device import ADAPTER, CudaStreams, HostAdapter
 from ..fully_sharded import FullyShardedDataParallel
+from ..matrix_optim import matrix_optimizer_and_adamw, matrix_optimizer_classes
 from ..state_dict.model import full_state_dict
 from ..state_dict.optim import full_optim_state_dict
 from ..unit import UnitState
@@ -126,6 +127,9 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
                 FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
             model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
+            # a matrix optimizer (Muon) takes the 2-D matrices before the wrapper makes them 1-D views, AdamW the rest
+            chained = matrix_optimizer_and_adamw(planner.optimizer, model) if issubclass(
+                planner.optimizer, matrix_optimizer_classes() or ()) else None
             wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy_of(opts, model), device_id="cpu",
                                                options=opts)
             if opts.activation_checkpointing:
@@ -133,7 +137,7 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
             trace.known.update(storage_key(f.unsharded) for f in wrapped.flat_params)
             trace.hold([f.local_shard for f in wrapped.flat_params] + list(wrapped.buffers()))
             foreach = {"foreach": cuda} if "foreach" in inspect.signature(planner.optimizer).parameters else {}
-            optimizer = planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
+            optimizer = chained or planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
             with trace:
                 for micro_steps, measured in ((1, None), (min(planner.batch_size // cfg.micro_batch, 2), best)):
                     _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, measured)

@@ -154,7 +154,8 @@ def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> 
     for t in [*model.parameters(), *model.buffers()]:
         new = convert(t)
         memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
-    return copy.deepcopy(model, memo)
+    with outside_dispatch_modes():  # other tensors a module holds (bitsandbytes' quantization state) stay as they are
+        return copy.deepcopy(model, memo)
 
 
 def _as_call(batch: Any) -> Tuple[tuple, dict]:
