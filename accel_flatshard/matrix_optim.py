@@ -166,6 +166,7 @@ class OwnerComputes:
                  streams: Any) -> None:
         self.optimizer_ref = weakref.ref(optimizer)
         self.matrices, self.group, self.streams = matrices, group, streams
+        self.by_param = {id(m.param): m for m in matrices}
         self.side = streams.side_stream("matrix_exchange")
         self.layout = self._signature(optimizer)
         self.checked: Optional[tuple] = None  # the hyperparameters the last dry run passed with
@@ -178,7 +179,7 @@ class OwnerComputes:
         for g in optimizer.param_groups:
             owned.append([])
             for p in g["params"]:
-                m = self._matrix(p)
+                m = self.by_param[id(p)]
                 if m.owner == me:
                     self.standins[id(p)] = standin = nn.Parameter(_empty(p.dtype, p.device))
                     owned[-1].append(standin)
@@ -191,11 +192,6 @@ class OwnerComputes:
     @staticmethod
     def _signature(optimizer: torch.optim.Optimizer) -> tuple:
         return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
-
-    def _matrix(self, p: nn.Parameter) -> Matrix:
-        if not hasattr(self, "_by_param"):
-            self._by_param = {id(m.param): m for m in self.matrices}
-        return self._by_param[id(p)]
 
     def stale(self) -> bool:
         """The optimizer's groups changed since the plan (``add_param_group``): plan again."""
@@ -228,8 +224,8 @@ class OwnerComputes:
                     for g in optimizer.param_groups)
         if key == self.checked:
             return
-        groups = [[nn.Parameter(torch.empty(self._matrix(p).shape, dtype=p.dtype, device="meta")) for p in g["params"]]
-                  for g in optimizer.param_groups]
+        shapes = [[(self.by_param[id(p)].shape, p.dtype) for p in g["params"]] for g in optimizer.param_groups]
+        groups = [[nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape, dtype in g] for g in shapes]
         dry = _like(optimizer, groups)
         for standin in (p for g in groups for p in g):
             standin.grad = torch.empty_like(standin)

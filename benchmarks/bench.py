@@ -122,19 +122,19 @@ class Runner:
         self.name, self.model = name, model
         self.opts = optimizers or [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3,
                                                      weight_decay=0.01)]
-        self.opt_seconds = 0.0  # the last step's optimizer part
+        self.opt_seconds = self.opt_cpu = 0.0  # the last step's optimizer part: wall, and CPU of this process
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         # under --profile each engine's steps are one span kind: the phase table of one engine reads its own
         with torch.profiler.record_function(f"bench::step[{self.name}]"):
             loss = self.model(input_ids=x, labels=x).loss
             loss.backward()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for opt in self.opts:
                 opt.step()
             if next(self.model.parameters()).device.type == "cuda":
                 torch.cuda.synchronize()
-            self.opt_seconds = time.perf_counter() - start
+            self.opt_seconds, self.opt_cpu = time.perf_counter() - start, time.process_time() - cpu
             for opt in self.opts:
                 opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -300,19 +300,20 @@ def row_engines(row: str, args) -> List[str]:
 
 def muon_table(results: List[dict]) -> str:
     """Each ``<engine>/muon`` against ``<engine>`` on AdamW: whole step and optimizer part (paired medians)."""
-    lines = ["| model | engine | step ms AdamW | step ms Muon+AdamW | step ratio | optimizer ms AdamW "
-             "| optimizer ms Muon+AdamW | optimizer ratio | params+grads+optim MiB/rank AdamW / Muon+AdamW |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | engine | step ms AdamW | step ms Muon+AdamW | step ratio (CPU s/step ratio) | optimizer ms "
+             "AdamW | optimizer ms Muon+AdamW | optimizer ratio (CPU s ratio) | params+grads+optim MiB/rank AdamW / "
+             "Muon+AdamW |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         idx = {e: i for i, e in enumerate(res["engines"])}
         for e in [e for e in res["engines"] if e.endswith("/muon") and e[:-5] in idx]:
             i, j = idx[e[:-5]], idx[e]
-            t, o = res["times"], res["opt_times"]
+            t, o, c, oc = res["times"], res["opt_times"], res["cpu"], res["opt_cpu"]
             ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))  # noqa: E731
             lines.append(f"| {res['row']} | {e[:-5]} | {statistics.median(t[i]) * 1e3:.0f} | "
-                         f"{statistics.median(t[j]) * 1e3:.0f} | {ratio(t[j], t[i]):.2f}x | "
+                         f"{statistics.median(t[j]) * 1e3:.0f} | {ratio(t[j], t[i]):.2f}x ({ratio(c[j], c[i]):.2f}x) | "
                          f"{statistics.median(o[i]) * 1e3:.0f} | {statistics.median(o[j]) * 1e3:.0f} | "
-                         f"{ratio(o[j], o[i]):.2f}x | {res['mem'][i][0] / 2**20:.0f} / {res['mem'][j][0] / 2**20:.0f} |")
+                         f"{ratio(o[j], o[i]):.2f}x ({ratio(oc[j], oc[i]):.2f}x) | "
+                         f"{res['mem'][i][0] / 2**20:.0f} / {res['mem'][j][0] / 2**20:.0f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -335,6 +336,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     last: Dict[str, float] = {}
     cpu = {e: [] for e in engines}  # CPU seconds of this process (all threads: compute and gloo's) per step
     opt_times = {e: [] for e in engines}  # the optimizer part of each step
+    opt_cpu = {e: [] for e in engines}  # its CPU seconds (all threads of this process)
     prof = row_profiler(device) if args.profile else None  # one torch.profiler over every engine's steps
     for s in range(total):
         x = data[s][rank * args.batch : (rank + 1) * args.batch].to(device)
@@ -355,6 +357,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
                 sent[r.name] += (sum(group.sent.values()) - bytes0) if group is not None else 0
                 times[r.name].append(dt)
                 opt_times[r.name].append(r.opt_seconds)
+                opt_cpu[r.name].append(r.opt_cpu)
                 losses[r.name].append(loss.float().item())
                 cpu[r.name].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
         if rank == 0 and args.verbose:
@@ -369,8 +372,10 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
     work = torch.tensor([cpu[e] for e in engines], dtype=torch.float64)
     sent_mb = torch.tensor([sent[e] / max(1, args.steps) / 2**20 for e in engines], dtype=torch.float64)
     opt_t = torch.tensor([opt_times[e] for e in engines], dtype=torch.float64)
+    opt_c = torch.tensor([opt_cpu[e] for e in engines], dtype=torch.float64)
     if not fake:
         dist.all_reduce(opt_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(opt_c, op=dist.ReduceOp.MAX)
         dist.all_reduce(work, op=dist.ReduceOp.MAX)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo)
@@ -383,6 +388,7 @@ def run_row(row: str, rank: int, world: int, device: torch.device, args, fake: b
         return None
     return {"row": row, "params": n_params, "engines": engines, "times": t.tolist(), "losses": lo.tolist(),
             "mem": mem.tolist(), "cpu": work.tolist(), "sent_mb": sent_mb.tolist(), "opt_times": opt_t.tolist(),
+            "opt_cpu": opt_c.tolist(),
             "profiles": profiles}
 
 
