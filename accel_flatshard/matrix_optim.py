@@ -50,7 +50,6 @@ __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerCo
 _ATTR = "_flatshard_owner_computes"  # the user's optimizer's OwnerComputes, in its __dict__
 # hyperparameters a scheduler changes every step: they cannot make Muon raise, so they do not re-run the dry run
 _SCHEDULED = ("lr", "weight_decay", "momentum")
-_EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def matrix_optimizer_classes() -> Tuple[type, ...]:
@@ -377,11 +376,9 @@ def _like(optimizer: torch.optim.Optimizer, params: List[List[nn.Parameter]]) ->
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A stand-in's data between steps: no storage."""
-    key = (dtype, device)
-    if key not in _EMPTY:
-        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
-    return _EMPTY[key]
+    """A stand-in's data between steps: no storage (made anew: one kept across calls could be a fake tensor of the
+    planner's run that has ended)."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def _wait(handle: Any, what: str, group: ShardGroup) -> None:
