@@ -11,9 +11,9 @@ the adapter, never a branch in the engine (docs/ARCHITECTURE.md section 5):
   once behind an event on CUDA; on the host, issued by :func:`advance` once its input is complete);
 * the gathered buffers' lifetime (:meth:`HostAdapter.alloc_gathered`, :meth:`HostAdapter.free_gathered` and its
   :meth:`HostAdapter.release`, and the gather rate limit :meth:`HostAdapter.wait_for_freed`), the full gradient
-  handed to a reduction (:meth:`HostAdapter.reduction_input`), host memory for offload and snapshots
-  (:meth:`HostAdapter.host_empty`, :meth:`HostAdapter.to_device`, :meth:`HostAdapter.to_host`), and how much memory
-  is free (:func:`free_bytes`).
+  handed to a reduction (:meth:`HostAdapter.reduction_input`), buffers of work beside the step
+  (:meth:`HostAdapter.scratch`), host memory for offload and snapshots (:meth:`HostAdapter.host_empty`,
+  :meth:`HostAdapter.to_device`, :meth:`HostAdapter.to_host`), and how much memory is free (:func:`free_bytes`).
 
 :class:`HostAdapter` is gloo/CPU, :class:`CudaStreams` NCCL; the planner's recording adapters (``plan/run.py``) and
 the tests' simulator (``tests/sim_cuda.py``) subclass them and extend ``alloc_gathered``, ``release`` and
@@ -170,6 +170,11 @@ class HostAdapter:
     def secondary_copy(self, part: torch.Tensor) -> torch.Tensor:
         """A copy of ``part`` of a gathered buffer, made on the compute stream (hpZ's secondary slice)."""
         return part.clone()
+
+    def scratch(self, numel: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+        """A buffer on the model's device for work beside the step's (``kind`` names it: the matrix optimizers'
+        exchange buffers, ``matrix_optim.py``), made on the current stream."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def reduction_input(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The full gradient in the reduce dtype, on the compute stream (``grad`` itself when it has that dtype: the

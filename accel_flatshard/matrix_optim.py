@@ -23,7 +23,7 @@ rank its piece (at any world size), and :meth:`OwnerComputes.adopt_state` moves 
 own errors (a parameter that is not 2-D, ``ns_steps >= 100``) come from a dry run of the same optimizer class on
 meta-device stand-ins, on every rank, before anything is exchanged: every rank raises Muon's error.
 
-On CUDA both exchanges run on the side stream "matrix_exchange" of the device adapter (``engine.py``): it waits for
+On CUDA both exchanges run on the side stream "matrix_exchange" of the model's device adapter (``device.py``): it waits for
 the compute stream (gradients reduced, shards last written there) and the compute stream waits for the exchange's
 event (docs/ARCHITECTURE.md section 5).
 """
@@ -40,9 +40,8 @@ import torch.nn as nn
 from . import comm
 from ._compat import step_without_hooks
 from .comm import ShardGroup
-from .engine import ADAPTER, CudaStreams, HostAdapter
 from .profiler import span
-from .state_dict.model import flat_slots
+from .schedule import schedule_of
 
 __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
            "matrix_optimizer_and_adamw"]
@@ -134,7 +133,8 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
                          f"{' and unsharded ones' if len(groups) == 1 else ''}: accel_flatshard computes each matrix "
                          "on one rank of its model's shard group; build one optimizer per prepared model")
     group: ShardGroup = next(iter(groups.values()))
-    where = flat_slots(group)
+    schedule = schedule_of(params[0])
+    where = schedule.slots()
     matrices, devices = [], set()
     for p in params:
         flat, i = where[id(p)]
@@ -151,8 +151,8 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
     device = next(iter(devices))
     for m, owner in zip(matrices, assign_owners([m.numel for m in matrices], group.shard_size)):
         m.owner = owner
-    if streams is None:  # the engine's choice of adapter (the planner's and the tests' through ADAPTER)
-        streams = (ADAPTER.get() or (CudaStreams if device.type == "cuda" else HostAdapter))(device)
+    if streams is None:  # the model's own adapter (the planner's, or the tests' simulator once attached)
+        streams = schedule.adapter
     owner = OwnerComputes(optimizer, matrices, group, streams)
     owner.adopt_state()  # state loaded before the first step: every rank's piece
     return owner
@@ -237,9 +237,7 @@ class OwnerComputes:
         mine = [m for m in active if m.owner == me]
         # each owned matrix: one buffer of [gradient | values], allocated on the compute stream (before the side
         # stream waits for it), written by the exchange on the side stream, stepped on the compute stream
-        work = [torch.empty(2 * m.numel, dtype=m.param.dtype, device=m.param.device) for m in mine]
-        for buf in work:
-            s.note_alloc(buf, "matrix_work")  # (named in the tests' simulator)
+        work = [s.scratch(2 * m.numel, m.param.dtype, "matrix_work") for m in mine]
         inputs: List[List[torch.Tensor]] = [[] for _ in ranks]
         outputs: List[List[torch.Tensor]] = [[] for _ in ranks]
         for m in active:  # this rank's piece of the gradient and of the values, to the owner, in matrix order

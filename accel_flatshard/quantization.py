@@ -28,13 +28,13 @@ quantization state in an evaluation forward: the next gather brings the unpacked
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 
 from . import patches
-from .state_dict.model import flat_slots
+from .schedule import schedule_of
 
 __all__ = ["state_precision_of_full_parameters", "is_bitsandbytes_blockwise", "keeping_gathered_4bit_weights",
            "install_for"]
@@ -56,15 +56,15 @@ def state_precision_of_full_parameters(optimizer: torch.optim.Optimizer, args: A
     if _DONE in optimizer.__dict__ or not is_bitsandbytes_blockwise(optimizer):
         return
     optimizer.__dict__[_DONE] = True
-    slots = {}
+    slots: Dict[int, Dict[int, Tuple[Any, int]]] = {}  # per model: its parameters' flat parameter and slot
     for gindex, group in enumerate(optimizer.param_groups):
         for pindex, p in enumerate(group["params"]):
-            shard_group = getattr(p, "_flatshard_group", None)
-            if shard_group is None:
+            schedule = schedule_of(p)
+            if schedule is None:
                 continue
-            if id(shard_group) not in slots:
-                slots[id(shard_group)] = flat_slots(shard_group)
-            flat, i = slots[id(shard_group)][id(p)]
+            if id(schedule) not in slots:
+                slots[id(schedule)] = schedule.slots()
+            flat, i = slots[id(schedule)][id(p)]
             full = flat.layout.slots[i].numel
             smallest = optimizer.get_config(gindex, pindex, group)["min_8bit_size"]
             if p.numel() < smallest <= full:

@@ -49,6 +49,16 @@ class Schedule:
         self._forward_span: Any = None
         self._backward_span: Any = None
 
+    @property
+    def adapter(self) -> Any:
+        """The model's device adapter (``device.py``), for work on its streams outside the step: the matrix
+        optimizers' exchange."""
+        return self.engine.streams
+
+    def slots(self) -> Dict[int, Tuple[Any, int]]:
+        """``id(original parameter) -> (its FlatParameter, its slot index)`` for every parameter of the model."""
+        return {id(p): (flat, i) for unit in self.units for flat in unit.flat_params for i, p in enumerate(flat.params)}
+
     def add_unit(self, unit: Unit) -> None:
         me = weakref.ref(self)  # (held by parameters: no cycle that keeps a dropped model alive)
         for flat in unit.flat_params:
@@ -387,12 +397,17 @@ class Schedule:
                 unit.state = state
 
 
+def schedule_of(param: torch.Tensor) -> Optional[Schedule]:
+    """The Schedule of the live model that shards ``param`` (one of its original parameters), else None."""
+    ref = getattr(param, _SCHEDULE_ATTR, None)
+    return ref() if ref is not None else None
+
+
 def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step pre-hook (an entry of ``patches.py``): no step on gradients of an unfinished backward."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            ref = getattr(p, _SCHEDULE_ATTR, None)
-            schedule = ref() if ref is not None else None
+            schedule = schedule_of(p)
             if schedule is None or not schedule.in_backward:
                 continue
             if inside_backward_pass():

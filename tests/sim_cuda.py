@@ -759,6 +759,11 @@ class SimCudaStreams(CudaStreams):
         self.sim.alloc(full, "full_grad", None)
         return full
 
+    def scratch(self, numel: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+        out = torch.empty(numel, dtype=dtype)  # (the simulated device's tensors are CPU tensors)
+        self.sim.alloc(out, kind, None)
+        return out
+
     def secondary_copy(self, part: torch.Tensor) -> torch.Tensor:
         copy = super().secondary_copy(part)
         self.sim.alloc(copy, "secondary", None)

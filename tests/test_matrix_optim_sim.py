@@ -7,16 +7,14 @@ violation, through a SHARDED save and load of the optimizer state (the load's pi
 This file is in the mutation table's pool (tests/sim_table.py): each ordering call of matrix_optim.py, broken,
 fails it.
 """
-import contextlib
 
 import pytest
 import torch
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.checkpoint import load_sharded_optimizer, save_sharded_optimizer
-from accel_flatshard.engine import ADAPTER
 from models import batches, llama, llama_layer_class
-from sim_cuda import one_thread, sim_adapter, simulate_cuda  # noqa: F401 - one_thread: a fixture
+from sim_cuda import one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
 pytestmark = [pytest.mark.usefixtures("world_of_one", "one_thread"),
               pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")]
@@ -55,16 +53,6 @@ def _wrapped():
         optimizers
 
 
-@contextlib.contextmanager
-def _adapter(sim):
-    """The simulated adapter for what matrix_optim.py builds at the first step (as the engine takes it)."""
-    token = ADAPTER.set(lambda device: sim_adapter(sim))
-    try:
-        yield
-    finally:
-        ADAPTER.reset(token)
-
-
 def test_muon_steps_on_the_simulated_gpu_as_without_it_and_as_the_plain_model(tmp_path):
     data = batches(5)
     plain = llama(n_layer=2)
@@ -73,7 +61,7 @@ def test_muon_steps_on_the_simulated_gpu_as_without_it_and_as_the_plain_model(tm
     reference = _train(unsimulated, opts, data, tmp_path / "reference")
     model, opts = _wrapped()
     sim = simulate_cuda(model)
-    with sim, _adapter(sim):
+    with sim:  # (the matrix exchange runs on the model's adapter: the simulator's)
         got = _train(model, opts, data, tmp_path / "simulated")
     assert sim.violations == [], "\n".join(sim.violations[:8])
     torch.testing.assert_close(got, reference, rtol=0, atol=0)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -74,11 +73,6 @@ class ShardedModuleRecord:
         return copy
 
 
-# every live record (weakly): code that holds only a model's parameters, not the model (the optimizer step hook of
-# matrix_optim.py), finds their flat parameters through it
-_RECORDS: "weakref.WeakSet[ShardedModuleRecord]" = weakref.WeakSet()
-
-
 def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None],
             is_summoned: Callable[[], bool]) -> None:
     """Record ``wrapper`` (its module and ``units``, and its schedule's ``ensure_idle`` and ``is_summoned``) on itself
@@ -86,20 +80,7 @@ def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], N
     group over the model's ranks)."""
     record = ShardedModuleRecord(wrapper, units, ensure_idle, is_summoned)
     wrapper.__dict__[_ATTR] = wrapper.module.__dict__[_ATTR] = record
-    _RECORDS.add(record)
     wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
-
-
-def live_records() -> List[ShardedModuleRecord]:
-    """The records of every sharded model alive in this process."""
-    return [record for record in list(_RECORDS) if record.wrapper() is not None]
-
-
-def flat_slots(group: Any) -> Dict[int, Tuple[Any, int]]:
-    """``id(parameter) -> (its FlatParameter, its slot index)`` for every parameter sharded over ``group`` (a
-    ShardGroup: the ``_flatshard_group`` of the parameters)."""
-    return {id(p): (flat, i) for record in live_records() if record.group is group for unit in record.units
-            for flat in unit.flat_params for i, p in enumerate(flat.params)}
 
 
 def record_of(module: Any) -> Optional[ShardedModuleRecord]:
