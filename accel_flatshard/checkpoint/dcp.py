@@ -12,10 +12,11 @@ size wrote it; on load each rank asks only for the saved chunks that intersect i
 
 DCP internals (checked on torch 2.13; only this module touches them): ``filesystem._StorageInfo`` and
 ``DEFAULT_SUFFIX`` let our ``write_data`` / ``read_data`` replace DCP's loops yet keep its file format (stock
-tools such as ``dcp_to_torch_save`` read our checkpoints): the writer holds one chunk copy at a time (DCP 2.13
-keeps every copy until the rank's file is done) and checksums while writing; the reader takes metadata we loaded
-through an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load`` it) and reads each needed item
-once, checking its CRC32.  ``api.CheckpointException`` (every rank's errors) becomes the failing rank's own.
+tools such as ``dcp_to_torch_save`` read our checkpoints): the writer copies no chunk (DCP 2.13 keeps a copy of
+every one until the rank's file is done) and streams each through a file that checksums it (``datafile.py``); the
+reader takes metadata we loaded through an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load``
+it) and reads each needed item once, checking its CRC32.  ``api.CheckpointException`` (every rank's errors)
+becomes the failing rank's own.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .datafile import ChecksummedFile
 from .format import CheckpointError
 
 METADATA_FILE = ".metadata"  # DCP's name for its metadata file
@@ -333,9 +335,10 @@ def _completed(value: Any) -> Future:
 
 class RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
-    ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), with each item's CRC32 computed
-    while writing, then fsyncs.  ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}``
-    (what ``flatshard.json`` lists; a rank with no item writes no file)."""
+    ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), streaming each into a
+    :class:`~accel_flatshard.checkpoint.datafile.ChecksummedFile` that takes its CRC32 on the way, then fsyncs.
+    ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}`` (what ``flatshard.json``
+    lists; a rank with no item writes no file)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
@@ -346,27 +349,32 @@ class RecordingWriter(FileSystemWriter):
             return _completed([])
         name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
         results, items = [], []
-        with open(os.path.join(str(self.path), name), "wb") as f:
+        with ChecksummedFile(os.path.join(str(self.path), name)) as f:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise CheckpointError(f"{item.index.fqn}: only tensors are written to checkpoints")
-                tensor = planner.resolve_data(item).detach().cpu()
-                if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                    tensor = tensor.clone()  # torch.save would write the whole underlying storage
-                buf = io.BytesIO()
-                torch.save(tensor, buf)
+                tensor = _own_storage(planner.resolve_data(item).detach().cpu())
+                offset, f.crc = f.pos, 0
+                torch.save(tensor, f)
                 del tensor
-                data = buf.getbuffer()
-                offset = f.tell()
-                f.write(data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
-                                           storage_data=_StorageInfo(name, offset, len(data))))
-                items.append([offset, len(data), zlib.crc32(data)])
-                del data, buf
-            f.flush()
-            os.fsync(f.fileno())
-            self.files = {name: {"size": f.tell(), "items": items}}
+                results.append(WriteResult(index=item.index, size_in_bytes=f.pos - offset,
+                                           storage_data=_StorageInfo(name, offset, f.pos - offset)))
+                items.append([offset, f.pos - offset, f.crc])
+        self.files = {name: {"size": f.pos, "items": items}}
         return _completed(results)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage of exactly its bytes (``torch.save`` writes a tensor's whole storage, and a chunk is
+    a view into a larger one): a contiguous view gets a slice of its storage, which shares the memory (no copy, and
+    no intra-op threads taken from training); anything else is copied."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == tensor.nbytes:
+        return tensor
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    start = tensor.storage_offset() * tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype).set_(storage[start:start + tensor.nbytes]).view(tensor.shape)
 
 
 class _PreloadedReader(FileSystemReader):
