@@ -1,10 +1,11 @@
 """Checkpoint building blocks without processes: chunk arithmetic, resharding plans, safe metadata
-unpickling, atomic directory commits, size parsing."""
+unpickling, atomic directory commits, size parsing, the background writer's priority."""
 from __future__ import annotations
 
 import math
 import os
 import pickle
+import sys
 
 import pytest
 import torch
@@ -223,3 +224,23 @@ def test_a_deletion_cut_short_leaves_no_half_emptied_checkpoint_that_reads_compl
     monkeypatch.undo()
     atomic.remove_dir(str(root / "checkpoint_2"))  # a later deletion of that name clears what the cut one left
     assert os.listdir(root) == ["checkpoint_1"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_background_writer_thread_alone_gets_the_lower_priority():
+    import threading
+
+    from accel_flatshard.checkpoint import commit
+
+    seen = {}
+
+    def writer():
+        commit._lower_priority()
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen["writer"] == max(before, commit.WRITER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the training thread keeps its own
