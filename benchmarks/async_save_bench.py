@@ -45,6 +45,14 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """``flag`` or'ed over the ranks.  Each rank's writer thread ends at its own time (rank 0 commits last), and the
+    ranks must take the same number of steps, or their collectives would mismatch and hang."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
 def _timed_steps(step: Callable[[], None], n: int) -> List[float]:
     times = []
     for _ in range(n):
@@ -71,7 +79,7 @@ def _measure(step: Callable[[], None], save: Callable[[str, bool], Any], in_flig
     handle = save(os.path.join(root, "async"), True)
     async_stall = _slowest(time.perf_counter() - t0)
     during: List[float] = []
-    while in_flight(handle) and len(during) < 4 * steps:  # (the ranks step together: collectives)
+    while len(during) < 4 * steps and _on_any_rank(in_flight(handle)):
         during += _timed_steps(step, 1)
     t1 = time.perf_counter()
     finish(handle)
