@@ -13,7 +13,7 @@ size wrote it; on load each rank asks only for the saved chunks that intersect i
 DCP internals (checked on torch 2.13; only this module touches them): ``filesystem._StorageInfo`` and
 ``DEFAULT_SUFFIX`` let our ``write_data`` / ``read_data`` replace DCP's loops yet keep its file format (stock
 tools such as ``dcp_to_torch_save`` read our checkpoints): the writer copies no chunk (DCP 2.13 keeps a copy of
-every one until the rank's file is done) and streams each through a file that checksums it (``datafile.py``); the
+every one until the rank's file is done) and streams each through a file that checksums it (``atomic.py``); the
 reader takes metadata we loaded through an allow-list (``FileSystemReader.read_metadata`` would ``pickle.load``
 it) and reads each needed item once, checking its CRC32.  ``api.CheckpointException`` (every rank's errors)
 becomes the failing rank's own.
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .datafile import ChecksummedFile
+from .atomic import ChecksummedFile
 from .format import CheckpointError
 
 METADATA_FILE = ".metadata"  # DCP's name for its metadata file
@@ -336,7 +336,7 @@ def _completed(value: Any) -> Future:
 class RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
     ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), streaming each into a
-    :class:`~accel_flatshard.checkpoint.datafile.ChecksummedFile` that takes its CRC32 on the way, then fsyncs.
+    :class:`~accel_flatshard.checkpoint.atomic.ChecksummedFile` that takes its CRC32 on the way, then fsyncs.
     ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}`` (what ``flatshard.json``
     lists; a rank with no item writes no file)."""
 

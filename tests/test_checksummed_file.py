@@ -1,4 +1,4 @@
-"""The file checkpoint tensor data streams into (``checkpoint/datafile.py``) and the writer that uses it: the bytes
+"""The file checkpoint tensor data streams into (``checkpoint/atomic.py``) and the writer that uses it: the bytes
 and CRC32s it records, its fallback to buffered writes where ``O_DIRECT`` is refused, and a DCP format that stock
 ``torch.distributed.checkpoint`` still reads."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from accel_flatshard.checkpoint import datafile
-from accel_flatshard.checkpoint.datafile import ChecksummedFile
+from accel_flatshard.checkpoint import atomic
+from accel_flatshard.checkpoint.atomic import ChecksummedFile
 from accel_flatshard.checkpoint.dcp import FlatRange, FlatSavePlanner, _own_storage, dcp_save
 
 MiB = 1 << 20
@@ -54,7 +54,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(datafile.os, "open", no_direct)
+    monkeypatch.setattr(atomic.os, "open", no_direct)
     path = str(tmp_path / "data")
     with ChecksummedFile(path) as f:
         expected, _ = _write_items(f, random.Random(1))
@@ -72,7 +72,7 @@ def test_a_block_that_o_direct_refuses_mid_file_is_written_buffered_from_there(t
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
-    monkeypatch.setattr(datafile.os, "write", refuse_second)
+    monkeypatch.setattr(atomic.os, "write", refuse_second)
     path = str(tmp_path / "data")
     with ChecksummedFile(path) as f:
         direct_at_start = f.direct
