@@ -353,7 +353,8 @@ class RecordingWriter(FileSystemWriter):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise CheckpointError(f"{item.index.fqn}: only tensors are written to checkpoints")
-                tensor = _own_storage(planner.resolve_data(item).detach().cpu())
+                tensor = planner.resolve_data(item).detach().cpu()
+                tensor = _own_storage(tensor)
                 offset, f.crc = f.pos, 0
                 torch.save(tensor, f)
                 del tensor
