@@ -9,8 +9,8 @@ from .options import BackwardPrefetch, FlatShardOptions
 from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 __all__ = ["Accelerator", "register", "FullyShardedDataParallel", "FlatShardOptions", "BackwardPrefetch",
-           "MixedPrecision", "CPUOffload", "ChainedOptimizer", "clip_grad_norm_", "compile_model", "size_based_auto_wrap_policy",
-           "transformer_auto_wrap_policy"]
+           "MixedPrecision", "CPUOffload", "ChainedOptimizer", "clip_grad_norm_", "compile_model",
+           "size_based_auto_wrap_policy", "transformer_auto_wrap_policy"]
 __version__ = "0.1.0"
 
 

@@ -241,7 +241,8 @@ class CudaStreams(HostAdapter):
         event.synchronize()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
+        if tensor.device.type != "cpu":  # (host memory, e.g. an offloaded shard a snapshot copies, has no streams)
+            tensor.record_stream(stream)
 
     def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Any = None) -> Any:
         """Run ``issue(async_op=False)`` on ``stream`` (asynchronous to the host); ``keep`` was allocated on

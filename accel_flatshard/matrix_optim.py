@@ -23,9 +23,9 @@ rank its piece (at any world size), and :meth:`OwnerComputes.adopt_state` moves 
 own errors (a parameter that is not 2-D, ``ns_steps >= 100``) come from a dry run of the same optimizer class on
 meta-device stand-ins, on every rank, before anything is exchanged: every rank raises Muon's error.
 
-On CUDA both exchanges run on the side stream "matrix_exchange" of the model's device adapter (``device.py``): it waits for
-the compute stream (gradients reduced, shards last written there) and the compute stream waits for the exchange's
-event (docs/ARCHITECTURE.md section 5).
+On CUDA both exchanges run on the side stream "matrix_exchange" of the model's device adapter (``device.py``): it
+waits for the compute stream (gradients reduced, shards last written there) and the compute stream waits for the
+exchange's event (docs/ARCHITECTURE.md section 5).
 """
 from __future__ import annotations
 
@@ -135,20 +135,18 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
     group: ShardGroup = next(iter(groups.values()))
     schedule = schedule_of(params[0])
     where = schedule.slots()
-    matrices, devices = [], set()
+    matrices = []
     for p in params:
         flat, i = where[id(p)]
         slot = flat.layout.slots[i]
         pieces = [(piece.param_start, piece.length) for piece in
                   (flat.layout.shard_pieces(r)[i] for r in range(group.shard_size))]
         matrices.append(Matrix(p, slot.fqn, slot.shape, slot.numel, pieces))
-        devices.add(flat.device)
         offload = getattr(p, "_flatshard_offload", None)
         if offload is not None and offload.streams.stream_ordered:
             raise NotImplementedError(f"{type(optimizer).__name__} with CPU offload onto {flat.device}: the shards are "
                                       "in host memory and the matrix exchange runs on the device; train without "
                                       "fsdp_offload_params")
-    device = next(iter(devices))
     for m, owner in zip(matrices, assign_owners([m.numel for m in matrices], group.shard_size)):
         m.owner = owner
     if streams is None:  # the model's own adapter (the planner's, or the tests' simulator once attached)

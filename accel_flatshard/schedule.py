@@ -52,7 +52,7 @@ class Schedule:
     @property
     def adapter(self) -> Any:
         """The model's device adapter (``device.py``), for work on its streams outside the step: the matrix
-        optimizers' exchange."""
+        optimizers' exchange, the asynchronous save's host snapshot (``checkpoint/commit.py``)."""
         return self.engine.streams
 
     def slots(self) -> Dict[int, Tuple[Any, int]]:

@@ -14,14 +14,13 @@ import os
 import re
 import sys
 import threading
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..device import CudaStreams
+from ..device import HostAdapter
 from .atomic import remove_dir
 from .dcp import Entry, FlatRange
 from .format import CheckpointError
@@ -106,46 +105,36 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
 
 
 # ---------------------------------------------------------------------- host snapshot
-_ADAPTERS: Dict[torch.device, CudaStreams] = {}
-
-
-def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[CudaStreams] = None
+def snapshot_entries(entries: Dict[str, Entry], adapter: Optional[HostAdapter] = None
                      ) -> Tuple[Dict[str, Entry], Callable[[], None]]:
     """Host copies of ``entries`` as they are now; the returned ``ready()`` blocks until the copies are done
-    (immediately on CPU).  Later changes to the originals never reach the copies: on CUDA they run on the adapter's
-    ``checkpoint`` side stream, which waits for the compute stream and which the compute stream then waits for.
-    ``adapter``: the device adapter of every entry (default: CUDA tensors get their device's; tests pass the
-    simulator's)."""
+    (immediately without streams).  Later changes to the originals never reach the copies.  ``adapter``: the model's
+    device adapter (``FullyShardedDataParallel.schedule.adapter``; None or a host one: plain clones).  With streams
+    the copies run on its ``checkpoint`` side stream into pinned buffers: the side stream waits for the compute
+    stream, and the compute stream then waits for the copies."""
     out: Dict[str, Entry] = {}
-    events: List[Tuple[CudaStreams, Any]] = []
-    by_adapter: Dict[Optional[CudaStreams], List[str]] = {}
+    streams = adapter if adapter is not None and adapter.stream_ordered else None
+    if streams is not None:
+        side, compute = streams.side_stream("checkpoint"), streams.compute_stream()
+        streams.wait_stream(side, compute)  # the copies see every update queued so far
     for key, entry in entries.items():
-        device = (entry.local if isinstance(entry, FlatRange) else entry).device
-        cuda = adapter is None and device.type == "cuda"
-        by_adapter.setdefault(_ADAPTERS.setdefault(device, CudaStreams(device)) if cuda else adapter, []).append(key)
-    for streams, keys in by_adapter.items():
+        tensor = (entry.local if isinstance(entry, FlatRange) else entry).detach()
         if streams is not None:
-            side, compute = streams.side_stream("checkpoint"), streams.compute_stream()
-            streams.wait_stream(side, compute)  # the copies see every update queued so far
-        for key in keys:
-            entry = entries[key]
-            tensor = (entry.local if isinstance(entry, FlatRange) else entry).detach()
-            if streams is not None:
-                host = streams.host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)  # pinned
-                with streams.on(side):
-                    streams.to_host(tensor, host)
-                streams.record_stream(tensor, side)
-            else:
-                host = tensor.clone()
-            out[key] = FlatRange(host, entry.start, entry.shape) if isinstance(entry, FlatRange) else host
-        if streams is not None:
-            event = streams.record(side)
-            streams.wait_event(compute, event)  # later in-place updates run after the copies
-            events.append((streams, event))
+            host = streams.host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)  # pinned
+            with streams.on(side):
+                streams.to_host(tensor, host)
+            streams.record_stream(tensor, side)
+        else:
+            host = tensor.clone()
+        out[key] = FlatRange(host, entry.start, entry.shape) if isinstance(entry, FlatRange) else host
+    event = None
+    if streams is not None:
+        event = streams.record(side)
+        streams.wait_event(compute, event)  # later in-place updates run after the copies
 
     def ready() -> None:
-        for stream_adapter, event in events:
-            stream_adapter.synchronize(event)
+        if event is not None:
+            streams.synchronize(event)
 
     return out, ready
 
@@ -156,10 +145,23 @@ def snapshot_bytes(entries: Dict[str, Entry]) -> int:
 
 
 # ---------------------------------------------------------------------- the background writer
+@dataclass(frozen=True)
+class WriterGroup:
+    """What ``save_entries`` reads of a group (the attributes it reads of a :class:`~accel_flatshard.comm.ShardGroup`
+    too): the writer's own gloo group over every rank, this rank in it, its size, and the model's shard size."""
+
+    world_group: Any
+    world_rank: int
+    world_size: int
+    shard_size: int
+
+
+# One writer gloo group per world process group, made on first use.  Process-wide on purpose: every model and
+# Accelerator of the process shares the world group, and a gloo group costs a rendezvous to make.
 _WRITER_GROUPS: Dict[Any, Any] = {}
 
 
-def writer_group(world: Optional[dist.ProcessGroup], shard_size: int) -> Any:
+def writer_group(world: Optional[dist.ProcessGroup], shard_size: int) -> Optional[WriterGroup]:
     """A group for ``save_entries`` whose collectives run on a gloo group of their own over the ranks of
     ``world`` (made on first use: collective, on the main thread), so a background writer never interleaves
     with the training's collectives.  None: one process."""
@@ -169,11 +171,28 @@ def writer_group(world: Optional[dist.ProcessGroup], shard_size: int) -> Any:
         _WRITER_GROUPS.clear()  # a group of an earlier, destroyed process group is dead
         _WRITER_GROUPS[world] = comm.new_gloo_group(world)
     pg = _WRITER_GROUPS[world]
-    return SimpleNamespace(world_group=pg, world_rank=dist.get_rank(pg), world_size=dist.get_world_size(pg),
-                           shard_size=shard_size)
+    return WriterGroup(pg, dist.get_rank(pg), dist.get_world_size(pg), shard_size)
 
 
-SAVES = SimpleNamespace(in_flight=None, exit_handler=False)  # the background save not yet joined (benchmarks poll it)
+@dataclass
+class _Save:
+    """One save's writer: its thread (None: it ran on the caller's) and its failure (a message, or None)."""
+
+    thread: Optional[threading.Thread] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class _Saves:
+    """The background save not yet joined (benchmarks poll ``in_flight``).  Process-wide on purpose: a save of any
+    model or Accelerator waits for the one before it (one writer at a time on the disk and the writer group), and
+    the exit handler joins whichever is in flight."""
+
+    in_flight: Optional[_Save] = None
+    exit_handler: bool = False  # registered by the first background save: importing changes nothing
+
+
+SAVES = _Saves()
 
 
 def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]], group: Any,
@@ -182,7 +201,7 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
     gather every rank's outcome over ``group``; when all succeeded, rank 0 calls ``commit()`` (the commit marker).
     ``background``: on a thread (the caller returns at once), else here.  Waits for the previous save first."""
     wait_for_saves()
-    save = SimpleNamespace(error=None, thread=None)  # error: a message, set when the save failed
+    save = _Save()
     world, rank = (None, 0) if group is None else (group.world_group, group.world_rank)
 
     def job() -> None:
@@ -212,7 +231,7 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
                           + "; ".join(failed))
 
     if background:
-        if not SAVES.exit_handler:  # (registered by the first background save: importing changes nothing)
+        if not SAVES.exit_handler:
             atexit.register(_wait_at_exit)
             SAVES.exit_handler = True
         save.thread = threading.Thread(target=job, name=f"accel_flatshard save {directory}", daemon=True)

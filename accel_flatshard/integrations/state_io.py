@@ -17,10 +17,10 @@ advise for the final save), rank 0 deciding for everyone.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import re
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -73,8 +73,10 @@ def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------- one save, one load
-# set (lists) while an asynchronous save_state or Trainer checkpoint runs: see _save and _snapshots
-SNAPSHOTS = SimpleNamespace(parts=None, readies=None)
+# (parts, readies) while an asynchronous save_state or Trainer checkpoint runs in this thread (see _save and
+# _snapshots): a context variable, so a save running in another thread (another Accelerator) never sees it
+SNAPSHOTS: contextvars.ContextVar[Optional[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]] = \
+    contextvars.ContextVar("accel_flatshard_snapshots", default=None)
 
 
 def _wrapper_of(model: nn.Module, use_dcp: bool, what: str) -> Optional[FullyShardedDataParallel]:
@@ -89,27 +91,29 @@ def _wrapper_of(model: nn.Module, use_dcp: bool, what: str) -> Optional[FullySha
 
 def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str, str], what: str,
           save_sharded: Callable[[str], None], gather_full: Callable[[], Dict[str, Any]],
-          entries: Callable[[], Tuple[Any, Dict, Dict]]) -> None:
+          entries: Callable[[], Tuple[Any, Dict, Dict]], adapter: Any) -> None:
     """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``.  During an
-    asynchronous save (``SNAPSHOTS.parts`` set) this step's state is copied to host memory instead (``entries()``
-    under SHARDED; FULL: rank 0's gathered CPU copies) and the writer of its part goes to ``SNAPSHOTS.parts``."""
+    asynchronous save (:data:`SNAPSHOTS` set) this step's state is copied to host memory instead (``entries()``
+    under SHARDED, on the streams of ``adapter``, the model's device adapter; FULL: rank 0's gathered CPU copies) and
+    the writer of its part goes to the save's parts."""
     os.makedirs(output_dir, exist_ok=True)
     sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
     path = os.path.join(output_dir, names[0] if sharded else names[1])
-    if sharded and SNAPSHOTS.parts is not None:
+    snapshots = SNAPSHOTS.get()
+    if sharded and snapshots is not None:
         _, live, meta = entries()
-        snapshot, ready = commit.snapshot_entries(live)
-        SNAPSHOTS.readies.append(ready)
+        snapshot, ready = commit.snapshot_entries(live, adapter)
+        snapshots[1].append(ready)
         logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
-        SNAPSHOTS.parts.append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
+        snapshots[0].append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
         return
     if sharded:
         logger.info(f"Saving {what} to {path}")
         save_sharded(path)
     else:
         state, main = gather_full(), accelerator.process_index == 0  # collective; rank 0 gets the dict, others {}
-        if SNAPSHOTS.parts is not None:
-            SNAPSHOTS.parts.append(
+        if snapshots is not None:
+            snapshots[0].append(
                 (path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))))
             return
         if main:
@@ -158,7 +162,7 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, output
                                              adapter_only=adapter_only, use_dcp=use_dcp)
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
           lambda path: save_sharded_model(wrapped, path), lambda: full_state_dict(wrapped),
-          lambda: model_entries(wrapped))
+          lambda: model_entries(wrapped), wrapped.schedule.adapter)
 
 
 def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_dir: str, model_index: int = 0,
@@ -183,7 +187,8 @@ def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     optimizer = plain_optimizer(optimizer)
     _save(fsdp_plugin, accelerator, output_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "Optimizer state",
           lambda path: save_sharded_optimizer(wrapped, optimizer, path),
-          lambda: full_optim_state_dict(wrapped, optimizer), lambda: optimizer_entries(wrapped, optimizer))
+          lambda: full_optim_state_dict(wrapped, optimizer), lambda: optimizer_entries(wrapped, optimizer),
+          wrapped.schedule.adapter)
 
 
 def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: nn.Module, input_dir: str,
@@ -240,12 +245,11 @@ def _snapshots(background: bool) -> Iterator[Tuple[List[Tuple[str, Callable]], L
     """``(writes, readies)``: while open and ``background``, save_fsdp_* copy their state to host memory and add
     the writer of their part to ``writes`` (and the wait for the copies to ``readies``) instead of writing."""
     writes, readies = [], []
-    if background:
-        SNAPSHOTS.parts, SNAPSHOTS.readies = writes, readies
+    token = SNAPSHOTS.set((writes, readies) if background else None)
     try:
         yield writes, readies
     finally:
-        SNAPSHOTS.parts = SNAPSHOTS.readies = None
+        SNAPSHOTS.reset(token)
 
 
 def _begin_save(acc: Any, output_dir: str, parts: List[str], step: int) -> Dict[str, Any]:
