@@ -93,7 +93,7 @@ def pytest_terminal_summary(terminalreporter):
                 continue
             if key == "skipped":
                 reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-                where = report.location[2] if getattr(report, "location", None) else report.nodeid
+                where = report.nodeid.replace("::line:", ", line ").split(",column:")[0]
                 not_run.append((where, reason.removeprefix("Skipped: ")))
             elif report.when == "call":
                 run += 1
