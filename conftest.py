@@ -101,5 +101,5 @@ def pytest_terminal_summary(terminalreporter):
     if not run and not not_run:
         return
     terminalreporter.write_sep("-", f"doc blocks: {run} run ({failed} failed), {len(not_run)} not run")
-    for where, reason in sorted(not_run):
+    for where, reason in sorted(not_run, key=lambda item: (item[0].split(",")[0], int(item[0].rpartition(" ")[2]))):
         terminalreporter.write_line(f"not run  {where}: {reason}")
