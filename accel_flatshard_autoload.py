@@ -10,7 +10,7 @@ that only watches) until accelerate has loaded ``accelerate.accelerator``, then 
 accelerate's own FSDP either fails (FSDP1 configs: ``sync_module_states``) or trains one unsharded copy per
 process (FSDP2 configs), it does what ``-m accel_flatshard.run`` does (``register()``), so the script's
 ``from accelerate import Accelerator`` gets accel_flatshard's, whichever of torch and accelerate it imports first.
-On a host with CUDA accelerate's torch FSDP runs as configured.  README "Use it with Accelerate" says why.
+On a host with CUDA accelerate's torch FSDP runs as configured.  docs/accelerate.md says why.
 """
 from __future__ import annotations
 

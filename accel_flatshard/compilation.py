@@ -2,7 +2,7 @@
 
 * ``regional=True`` (accelerate's ``use_regional_compilation``): each inner unit's ``forward`` is compiled
   *inside* the unit's hooks (gather, views and free run eagerly around it); blocks of one class share one graph.
-  Never slower than compiling each block's whole ``__call__`` (README "torch.compile").
+  Never slower than compiling each block's whole ``__call__`` (docs/compile.md).
 * ``regional=False``: ``model.compile()`` in place; dynamo breaks the graph only at the units' hooks.
 
 No silent eager fall-back: a unit's forward goes through a probe whose body runs only when dynamo did not run

@@ -1,7 +1,7 @@
 """The device adapter: streams, events and buffers, so that one engine (``engine.py``) runs CUDA and gloo/CPU alike.
 
 Every decision that differs between a stream-ordered device and a host that blocks on work handles is a method of
-the adapter, never a branch in the engine (docs/ARCHITECTURE.md section 5):
+the adapter, never a branch in the engine (docs/architecture-details.md section 5):
 
 * where work runs (:meth:`HostAdapter.side_stream`, :meth:`HostAdapter.on`), what waits
   (:meth:`HostAdapter.wait_stream`, :meth:`HostAdapter.wait_event`, :meth:`HostAdapter.synchronize`) and what is

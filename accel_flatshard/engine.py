@@ -3,7 +3,7 @@
 One engine serves every unit of a wrapped model; the units' state machine (``unit.py``) decides *which* unit to
 gather or reduce and when.  It is written once against the device adapter (``device.py``): every stream, event,
 wait and buffer lifetime is an adapter call, so the same lines run CUDA (:class:`~.device.CudaStreams`), gloo/CPU
-(:class:`~.device.HostAdapter`), the planner's recording adapters and the tests' simulator; docs/ARCHITECTURE.md
+(:class:`~.device.HostAdapter`), the planner's recording adapters and the tests' simulator; docs/architecture-details.md
 section 5 says how they differ and what the bookkeeping (gathers in flight, pending reductions) guarantees.  Besides:
 
 * Gradients are divided by ``f`` before the sum and by ``W / f`` after (FSDP1's pre/post divide), so W

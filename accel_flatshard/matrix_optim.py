@@ -25,7 +25,7 @@ meta-device stand-ins, on every rank, before anything is exchanged: every rank r
 
 On CUDA both exchanges run on the side stream "matrix_exchange" of the model's device adapter (``device.py``): it
 waits for the compute stream (gradients reduced, shards last written there) and the compute stream waits for the
-exchange's event (docs/ARCHITECTURE.md section 5).
+exchange's event (docs/architecture-details.md section 5).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ new option is a field here, the line that reads it, and its test.
 :data:`OPTIONS` declares each ``FLATSHARD_*`` variable (name, type, default, doc, parser, and the field it sets, if
 any; four configure the process or the Accelerator, not a model).  :func:`get` returns one parsed value;
 :func:`check_environment`, called by the wrapper and the ``Accelerator``, rejects unknown ``FLATSHARD_*`` names and
-bad values, so a misspelt option fails loudly.  :func:`markdown_table` renders the README's variable table;
+bad values, so a misspelt option fails loudly.  :func:`markdown_table` renders the variable table of docs/accelerate.md;
 :func:`env_flag` parses boolean variables, accelerate's own too (``ACCELERATE_USE_FSDP``, ...), which are read where
 used.  The enum
 :class:`BackwardPrefetch` and accelerate's wrap-policy fields live here so that the object has no upward import.
@@ -176,7 +176,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(FlatShardOptions))
 
 
 def setting_sources() -> Dict[str, Dict[str, Optional[str]]]:
-    """``{field: {"yaml": ..., "env": ...}}`` for every field of :class:`FlatShardOptions` (README, tests)."""
+    """``{field: {"yaml": ..., "env": ...}}`` for every field of :class:`FlatShardOptions` (docs, tests)."""
     return {f.name: {key: f.metadata[key] for key in ("yaml", "env")} for f in dataclasses.fields(FlatShardOptions)}
 
 
@@ -286,7 +286,7 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
 
 
 def markdown_table() -> str:
-    """The README's option table (name | type | default | what it does), rendered from :data:`OPTIONS`."""
+    """The option table of docs/accelerate.md (name | type | default | what it does), rendered from :data:`OPTIONS`."""
     rows = [f"| `{o.name}` | {o.type.replace('|', chr(92) + '|')} | {o.default_text} | {o.doc} |"
             for o in OPTIONS.values()]
     return "\n".join(["| variable | type | default | what it does |", "|---|---|---|---|", *rows])

@@ -1,5 +1,5 @@
 """The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it
-(docs/ARCHITECTURE.md section 6: what an entry names, scopes, errors, ``uninstall``).
+(docs/architecture-details.md section 6: what an entry names, scopes, errors, ``uninstall``).
 
 Three kinds of :class:`Patch`: a replaced symbol, also in the modules known to bind it by name (``also_bound_in``)
 and in any imported module of ``scan_packages`` (or ``__main__``) holding the original; a process-wide ``hook``;
@@ -362,7 +362,7 @@ def uninstall() -> None:
 
 
 def markdown_table() -> str:
-    """The table as markdown (README)."""
+    """The table as markdown (docs/versions.md)."""
     rows = ["| target (defined in) | also replaced in | why | replacement | checked on | applied by |",
             "|---|---|---|---|---|---|"]
     for p in PATCHES:

@@ -7,7 +7,7 @@ newest *complete* checkpoint if there is one (``accelerator.load_state()``; a ch
 interrupted has no commit marker and is skipped).  Under ``--max_restarts`` torchrun's elastic agent restarts every
 rank when one dies, so a fault costs at most the steps since the last complete checkpoint.  The yaml's own (static)
 rendezvous needs no other flag: accel_flatshard gives each restart's process groups a key prefix of their own in the
-agent's store (README "A job that comes back by itself")::
+agent's store (docs/checkpoints.md, "Restart after a fault")::
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --max_restarts 3 \\
         examples/resume_on_fault.py --output_dir /tmp/fault_demo --steps 40 --step_delay 0.5

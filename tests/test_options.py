@@ -1,4 +1,4 @@
-"""The options module: README table equals the declarations; unknown names and bad values fail on every path."""
+"""The options module: the docs table (docs/accelerate.md) equals the declarations; unknown names and bad values fail on every path."""
 import os
 import re
 
@@ -7,14 +7,15 @@ import torch.nn as nn
 
 from accel_flatshard import FullyShardedDataParallel, options
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+from docs_pages import ROOT, docs_page
+
+OPTIONS_PAGE = docs_page("accelerate")
 
 
-def test_readme_table_is_the_options_module():
-    with open(README) as f:
-        text = f.read()
+def test_docs_table_is_the_options_module():
+    text = OPTIONS_PAGE.read_text()
     match = re.search(r"<!-- options-table -->\n(.*?)\n<!-- /options-table -->", text, re.S)
-    assert match, "README.md lost the <!-- options-table --> markers"
+    assert match, "docs/accelerate.md lost the <!-- options-table --> markers"
     assert match.group(1) == options.markdown_table()
     # every option appears in it once, and nothing else
     assert re.findall(r"^\| `(FLATSHARD_\w+)`", match.group(1), re.M) == list(options.OPTIONS)
@@ -103,7 +104,7 @@ SETTINGS = {
 PROCESS_VARIABLES = {"FLATSHARD_STATE_DICT_TIMEOUT_S": "state_dict/model.py", "FLATSHARD_PROFILE": "profiler.py",
                      "FLATSHARD_PROFILE_EVERY": "profiler.py", "FLATSHARD_ASYNC_SAVE": "integrations/accelerate.py",
                      "FLATSHARD_REDUCE_DTYPE": "integrations/config.py"}
-PACKAGE = os.path.join(os.path.dirname(README), "accel_flatshard")
+PACKAGE = os.path.join(str(ROOT), "accel_flatshard")
 
 
 def _attributes_read(relative: str) -> set:

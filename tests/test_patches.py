@@ -17,6 +17,7 @@ import accelerate.utils.fsdp_utils
 import transformers.trainer
 
 from accel_flatshard import patches
+from docs_pages import docs_page
 from accel_flatshard.integrations import state_io
 
 
@@ -152,9 +153,9 @@ def test_missing_non_essential_target_warns_with_the_version(clean_patches, monk
         patches.install(register=True)
 
 
-def test_readme_lists_every_patch_as_the_table_renders_it():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert patches.markdown_table() in readme, "regenerate the README table: patches.markdown_table()"
+def test_docs_list_every_patch_as_the_table_renders_it():
+    page = docs_page("versions").read_text()
+    assert patches.markdown_table() in page, "regenerate the table in docs/versions.md: patches.markdown_table()"
 
 
 def test_patch_of_a_symbol_newer_than_the_installed_library_is_skipped_quietly(clean_patches, monkeypatch):

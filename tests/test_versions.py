@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from accel_flatshard.integrations import versions
+from docs_pages import docs_page
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,12 +111,12 @@ def test_report_names_a_library_above_the_window(monkeypatch, capsys):
     assert "transformers     5.99.0" in capsys.readouterr().out
 
 
-def test_readme_versions_table_is_the_window_and_the_records():
-    """README "Supported versions": per library the oldest tested (the window's lower bound), the newest tested
+def test_docs_versions_table_is_the_window_and_the_records():
+    """docs/versions.md "Supported versions": per library the oldest tested (the window's lower bound), the newest tested
     (constraints/newest.txt) and what make test installs (constraints/pinned.txt)."""
-    readme = (REPO / "README.md").read_text()
+    readme = docs_page("versions").read_text()
     pinned, newest = pins.read_pins(pins.PINNED), pins.read_pins(pins.NEWEST)
     for name, (low, _) in versions.SUPPORTED.items():
         row = re.search(rf"^\| {name} \| (.*?) \| (.*?) \| (.*?) \|$", readme, re.M)
-        assert row, f"README has no versions row for {name}"
+        assert row, f"docs/versions.md has no versions row for {name}"
         assert low in row[1] and row[2] == newest[name] and row[3].split(" ")[0] == pinned[name], row[0]

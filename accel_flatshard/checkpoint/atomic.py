@@ -12,7 +12,7 @@ cut short never leaves a half-emptied ``<dir>``.
 ``torch.save`` of one item after another straight into it, it takes each item's CRC32 as the bytes pass, and writes
 them past the page cache (``O_DIRECT``) where the file system allows it (the directory it writes in is committed
 with :func:`commit_dir`).  Why it is built this way (issue 40: a background save must stay out of the training
-step's way; numbers in README "Asynchronous save"):
+step's way; numbers in docs/checkpoints.md):
 
 * no in-memory copy of an item: ``torch.save`` writes into this file object, not into a ``BytesIO`` that is then
   copied out (which held the GIL for every byte of it);

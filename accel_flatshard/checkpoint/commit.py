@@ -1,6 +1,6 @@
 """Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
 
-docs/ARCHITECTURE.md section 7 tells both stories: :data:`PENDING_FILE` first, the commit marker
+docs/architecture-details.md section 7 tells both stories: :data:`PENDING_FILE` first, the commit marker
 :data:`COMPLETE_FILE` last.  A directory with neither marker (plain accelerate, older accel_flatshard) is judged by
 its files; an empty one is incomplete.
 """

@@ -14,7 +14,7 @@ size reads, on each rank, only the chunks that overlap its own slices.  Director
       flatshard.json                   ours, written last: format, world size, tensors, checksums (and for an
                                        optimizer its param groups and plain-Python state values)
 
-How a save commits and a load checks: docs/ARCHITECTURE.md section 7; usage: README "Checkpoints".
+How a save commits and a load checks: docs/architecture-details.md section 7; usage: docs/checkpoints.md.
 """
 from __future__ import annotations
 

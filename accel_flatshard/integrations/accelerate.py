@@ -1,7 +1,7 @@
 """The Accelerate backend: ``Accelerator``, a drop-in subclass of ``accelerate.Accelerator``.
 
 Under an accelerate FSDP config (``fsdp_version`` 1 or 2) it shards with :class:`FullyShardedDataParallel` where
-accelerate would use torch FSDP.  What differs from plain accelerate (README "Use it with Accelerate"): on a host
+accelerate would use torch FSDP.  What differs from plain accelerate (docs/accelerate.md): on a host
 without GPUs the process group is gloo over all launched processes and accelerate's MULTI_CPU state is switched to
 ``DistributedType.FSDP`` (accelerate would silently train unsharded; W > 1 processes still unsharded raise); an
 FSDP2 plugin is presented as FSDP1 (``is_fsdp2`` False: the code paths this class implements); ``prepare_model``

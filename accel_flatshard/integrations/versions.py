@@ -1,7 +1,7 @@
 """The supported library version window, and the check :func:`accel_flatshard.register` runs.
 
 Lower bounds are the oldest set CI tests (``.ci/oldest.sh``; the same in ``pyproject.toml``), except torch 2.11:
-the GPU machine's, checked by ``tools/torch_api_check.py`` (README "Supported versions"); upper bounds are the
+the GPU machine's, checked by ``tools/torch_api_check.py`` (docs/versions.md); upper bounds are the
 newest tested: ``make test-latest`` (``.ci/latest.sh``) installs the newest releases, and ``constraints/newest.txt``
 records the set it last passed with (``tests/test_versions.py`` keeps the window above it and above ``make test``'s
 pins).  Below the window is an error (package, version and pip command); above it a warning.

@@ -1,4 +1,4 @@
-"""The planner's step (``Planner.predict``), as docs/ARCHITECTURE.md section 8 tells it.  This process is rank 0
+"""The planner's step (``Planner.predict``), as docs/architecture-details.md section 8 tells it.  This process is rank 0
 (the fullest shard); on ``"cuda"`` the GPU lags arbitrarily: a ``record_stream``'ed block is free once the host
 waited for a later event.  Of the last step, measured, micro-steps after the second repeat the second.
 """
