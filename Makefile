@@ -26,7 +26,7 @@ test: $(VENV_STAMP)
 	$(PY) -m pytest -q -m "not slow and not ci"
 
 # What CI runs beyond `make test` (.ci/run): the tests marked ci, the CUDA schedule's derived mutation table
-# and the simulated public paths at W=2 (README "Tests").
+# and the simulated public paths at W=2 (docs/testing.md).
 test-ci: $(VENV_STAMP)
 	$(PY) -m pytest -q -m "ci and not slow"
 	$(PY) tests/sim_table.py

@@ -232,7 +232,7 @@ class CudaStreams(HostAdapter):
 
     def record(self, stream: Any) -> Any:
         # blocking: a host that synchronises on it (the gather rate limit, the offload copies) sleeps instead
-        # of spinning a core for the whole wait (README, "CUDA events")
+        # of spinning a core for the whole wait (docs/gpu.md, CUDA events)
         event = self.api.Event(blocking=True)
         event.record(stream)
         return event

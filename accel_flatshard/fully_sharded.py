@@ -111,8 +111,8 @@ class FullyShardedDataParallel(nn.Module):
         lossy = [what for what, on in (("int8 weights", options.quantized_all_gather),
                                        ("int8 gradients", options.quantized_reduce)) if on]
         if lossy and self.shard_group.world_rank == 0:  # (said once per model, in the run's log)
-            logger.warning("accel_flatshard: quantized communication on: %s, blocks of %d elements (README Speed)",
-                           " and ".join(lossy), options.quant_block)
+            logger.warning("accel_flatshard: quantized communication on: %s, blocks of %d elements "
+                           "(docs/communication.md)", " and ".join(lossy), options.quant_block)
         engine = Engine(self.shard_group, device, options)
         # the model's step and its operations outside the step: generation, state dicts and the planner use it
         self.schedule = schedule = Schedule(engine, options)

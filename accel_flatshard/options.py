@@ -85,20 +85,22 @@ class FlatShardOptions:
                                         yaml="fsdp_sync_module_states")
     quantized_all_gather: bool = _setting(
         False, "qwZ (ZeRO++): weights all-gathered as block-wise int8 with a float32 scale a block, dequantized into "
-        "the compute dtype (lossy: README Speed); the master shards and the optimizer never see quantized values",
-        env="FLATSHARD_QUANTIZED_ALL_GATHER")
+        "the compute dtype (lossy: docs/communication.md); the master shards and the optimizer never see quantized "
+        "values", env="FLATSHARD_QUANTIZED_ALL_GATHER")
     quantized_reduce: bool = _setting(
         False, "qgZ (ZeRO++): gradients reduced through one all-to-all of block-wise int8, summed in float32 (lossy: "
-        "README Speed); the replica all-reduce of hybrid sharding stays exact", env="FLATSHARD_QUANTIZED_REDUCE")
+        "docs/communication.md); the replica all-reduce of hybrid sharding stays exact",
+        env="FLATSHARD_QUANTIZED_REDUCE")
     quant_block: int = _setting(256, "elements per int8 block (one float32 scale each) of the quantized options",
                                 env="FLATSHARD_QUANT_BLOCK")
     pack_all_gathers: bool = _setting(
         True, "one all-gather per unit and pass, whatever its flat parameters hold (frozen and trainable, several "
-        "dtypes: one gathered storage); off: one per flat parameter (README Speed)", env="FLATSHARD_PACK_ALL_GATHERS")
+        "dtypes: one gathered storage); off: one per flat parameter (docs/communication.md)",
+        env="FLATSHARD_PACK_ALL_GATHERS")
     # ---- the collectives (ShardGroup)
     gloo_p2p: Optional[bool] = _setting(
         None, "all-gather and reduce-scatter as batched isend/irecv straight into / out of the buffers (faster than "
-        "gloo's collectives, see Speed; None: on with gloo)",
+        "gloo's collectives, docs/performance.md; None: on with gloo)",
         env="FLATSHARD_GLOO_P2P")
     reduce_scatter_via_all_reduce: bool = _setting(
         False, "with `FLATSHARD_GLOO_P2P=0` (or nccl): reduce gradients by all-reduce + slice instead of "
@@ -111,8 +113,8 @@ class FlatShardOptions:
         "unset, one machine)", env="FLATSHARD_RANKS_PER_NODE")
     node_local_backward_gather: bool = _setting(
         False, "hpZ (ZeRO++): after a unit's forward each rank keeps 1/`ranks_per_node` of its parameters, so the "
-        "backward all-gather runs inside the machine (README Speed); costs that much memory per unit until its "
-        "backward", env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER")
+        "backward all-gather runs inside the machine (docs/communication.md); costs that much memory per unit until "
+        "its backward", env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER")
     # ---- generation and frozen models (generation.py)
     generation_mode: str = _setting(
         "budget", "units kept gathered during `generate()`: `budget` keeps as many as `generation_budget_mb` allows "
@@ -251,7 +253,7 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
                    "expected 'auto' or a size in MiB >= 0", lambda n: n is None or n >= 0), "generation_budget_mb"),
     Option("FLATSHARD_ASYNC_SAVE", "bool", False, "0", _bool, own_doc="`save_state` (Accelerator, Trainer) returns "
            "once the model and optimizer state is copied to host memory and writes the files in the background "
-           "(README Checkpoints); `save_state(..., async_save=...)` overrides it"),
+           "(docs/checkpoints.md); `save_state(..., async_save=...)` overrides it"),
     Option("FLATSHARD_KEEP_FROZEN_GATHERED", "bool", False, "0", _bool, "keep_frozen_gathered"),
     Option("FLATSHARD_PACK_ALL_GATHERS", "bool", True, "1", _bool, "pack_all_gathers"),
     Option("FLATSHARD_QUANTIZED_ALL_GATHER", "bool", False, "0", _bool, "quantized_all_gather"),

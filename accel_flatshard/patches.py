@@ -219,7 +219,7 @@ def _container(module: Any, path: str) -> Tuple[Any, str]:
 def _report_missing(patch: Patch, where: str, what: str) -> None:
     message = (f"accel_flatshard: cannot patch {where}: {what} ({patch.package} {_version(patch.package)}; "
                f"the patch was checked on {patch.checked_on}). Why it is patched: {patch.why}. Install a version "
-               "in the supported window (see README 'Supported versions') or report this at accel_flatshard.")
+               "in the supported window (see docs/versions.md) or report this at accel_flatshard.")
     if patch.essential:
         raise RuntimeError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -255,7 +255,7 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
 # ``ours+proposed``: changes measured here and not (yet) in the engine.  agp2p, boundrs, adopt, keeplast
 # and wrapemb were adopted by the engine itself (comm.py, engine.py, flat_param.py, unit.py, wrap.py) and
 # are kept as options only to compare against their patch form; embbwd restores what the engine did before.
-PROPOSED = ["rsp2p"]  # fpre + bpre became the defaults (README Speed)
+PROPOSED = ["rsp2p"]  # fpre + bpre became the defaults (docs/performance.md)
 
 
 def parse_variant(name: str, model=None) -> Tuple[dict, List[Callable]]:

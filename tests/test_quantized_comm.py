@@ -179,7 +179,7 @@ def test_the_log_names_the_options_once(world_of_one, caplog):
         _wrap(**BOTH)
     lines = [r.getMessage() for r in caplog.records if "quantized communication" in r.getMessage()]
     assert lines == ["accel_flatshard: quantized communication on: int8 weights and int8 gradients, blocks of 256 "
-                     "elements (README Speed)"]
+                     "elements (docs/communication.md)"]
 
 
 def _compiled_and_generating(rank, world_size):

@@ -246,7 +246,7 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
 # The background writer's nice value.  When the CPUs are busy it yields them to training: its work (copying,
 # checksumming, system calls) then fills the time the training threads leave idle instead of slowing the step it
 # overlaps.  10, not 19: a thread that holds the GIL when the scheduler passes it over makes the training thread
-# wait for it, and a write that falls far behind delays the next save_state.  Measured: README "Asynchronous save".
+# wait for it, and a write that falls far behind delays the next save_state.  Measured: docs/checkpoints.md.
 WRITER_NICE = 10
 
 

@@ -141,8 +141,8 @@ def requested_parallelism_config(params: Mapping[str, Any]) -> Any:
         if size > 1:
             raise ValueError(
                 f"{kind} parallelism (parallelism_config_{dim}_size={size}) is not supported by accel_flatshard; "
-                "remove it, or use dp_replicate/dp_shard only (README: composing with tensor parallelism on "
-                "DTensor meshes is a later step)")
+                "remove it, or use dp_replicate/dp_shard only (docs/accelerate.md: composing with tensor parallelism "
+                "on DTensor meshes is a later step)")
     return config
 
 
