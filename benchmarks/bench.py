@@ -73,6 +73,9 @@ SIZES = {  # name -> (family, config kwargs); parameter counts printed in the ta
     "llama-40M-lora": ("llama-lora", dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1376, num_attention_heads=8, vocab_size=16384)),
 }
 BASE_ENGINES = ["ddp", "fsdp1", "fsdp2", "nocomm", "ddp+compile", "fsdp2+compile"]
+# not in the default list: DDP with torch's fp16_compress_hook (gradients all-reduced as fp16), the lossy peer of
+# ``ours+int8`` a DDP user would pick on gloo (bf16_compress_hook needs NCCL)
+EXTRA_ENGINES = ["ddp+fp16"]
 
 
 def build_model(row: str, seq: int) -> torch.nn.Module:
@@ -183,12 +186,16 @@ def wrap_engine(engine: str, model: torch.nn.Module, device: torch.device, args,
     blocks = tuple(block_classes(model))
     if engine == "nocomm":
         return Runner(engine, model)
-    if engine in ("ddp", "ddp+compile"):
+    if engine in ("ddp", "ddp+compile", "ddp+fp16"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if engine == "ddp+compile":
             compile_blocks(model, blocks)
-        return Runner(engine, DDP(model, device_ids=[device.index] if device.type == "cuda" else None))
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if engine == "ddp+fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return Runner(engine, ddp)
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
@@ -216,7 +223,7 @@ def wrap_engine(engine: str, model: torch.nn.Module, device: torch.device, args,
         for fn in post:
             fn(wrapped)
         return Runner(engine, wrapped)
-    raise ValueError(f"unknown engine {engine!r}; choose from ours[+opts], {', '.join(BASE_ENGINES)}")
+    raise ValueError(f"unknown engine {engine!r}; choose from ours[+opts], {', '.join(BASE_ENGINES + EXTRA_ENGINES)}")
 
 
 # ---------------------------------------------------------------------- measurement
@@ -296,6 +303,25 @@ def row_engines(row: str, args) -> List[str]:
     if row in args.muon_rows:
         engines += [f"{e}/muon" for e in ("ours", "ddp") if e in engines]
     return engines
+
+
+def lossy_table(results: List[dict]) -> str:
+    """Each ``ours+...int8...`` engine against DDP, DDP + fp16_compress_hook and our exact engine (paired medians of
+    the step time), with the bytes it sends against our exact engine's."""
+    lines = ["| model | engine | vs DDP | vs DDP+fp16 | vs ours exact | sent MiB/step/rank (ours exact) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for res in results:
+        t, idx = res["times"], {e: i for i, e in enumerate(res["engines"])}
+
+        def ratio(i: int, ref: str) -> str:
+            return "-" if ref not in idx else \
+                f"{statistics.median(a / b for a, b in zip(t[i], t[idx[ref]])):.2f}x"
+
+        for e in [e for e in res["engines"] if e.startswith("ours") and "int8" in e]:
+            i, exact = idx[e], res["sent_mb"][idx["ours"]] if "ours" in idx else float("nan")
+            lines.append(f"| {res['row']} | {e} | {ratio(i, 'ddp')} | {ratio(i, 'ddp+fp16')} | {ratio(i, 'ours')} "
+                         f"| {res['sent_mb'][i]:.1f} ({exact:.1f}) |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def muon_table(results: List[dict]) -> str:
@@ -471,10 +497,13 @@ def worker(rank: int, world: int, port: int, args) -> None:
                 results.append(res)
         if rank == 0:
             table = format_table(results, args, world, device, args.fake_pg)
-            muon = muon_table(results)
+            muon, lossy = muon_table(results), lossy_table(results)
             if muon:
                 table += ("\n\nMuon (torch.optim.Muon over the hidden matrices, AdamW over the rest) against the same "
                           "engine on AdamW:\n\n" + muon)
+            if lossy:
+                table += ("\n\nLossy communication (our int8 variants) against DDP and DDP + fp16_compress_hook:\n\n"
+                          + lossy)
             print("\n" + table + "\n", flush=True)
             for res in results:
                 for name, text in res["profiles"].items():
@@ -523,8 +552,8 @@ def parse_args(argv=None):
         if r not in SIZES:
             p.error(f"unknown row {r!r}; choose from {', '.join(SIZES)}")
     for e in args.engines:
-        if e not in BASE_ENGINES:
-            p.error(f"unknown engine {e!r}; choose from {', '.join(BASE_ENGINES)}")
+        if e not in BASE_ENGINES + EXTRA_ENGINES:
+            p.error(f"unknown engine {e!r}; choose from {', '.join(BASE_ENGINES + EXTRA_ENGINES)}")
     for v in args.ours:
         patches.parse_variant(v)  # validates
     if args.device == "cuda" and not torch.cuda.is_available():

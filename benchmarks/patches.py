@@ -249,6 +249,8 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "nopack": ("kw", lambda m: {"pack_all_gathers": False}),  # one all-gather per flat parameter (before issue 42)
     # hpZ with one rank per "machine": each unit keeps its gathered copy and its backward gather is a local copy
     "hpz1": ("kw", lambda m: {"node_local_backward_gather": True, "ranks_per_node": 1}),
+    # int8 weights and int8 gradients on the wire (qwZ + qgZ, issue 43; lossy)
+    "int8": ("kw", lambda m: {"quantized_all_gather": True, "quantized_reduce": True}),
 }
 
 
