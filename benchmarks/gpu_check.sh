@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 440 s) of parts plus
-# about 35 s of start-up, archive and kill grace: under 8 minutes, inside a 600 s command limit (the summary prints the
+# CUDA check of accel_flatshard: one command, one GPU, at most GPU_CHECK_BUDGET_S (default 465 s) of parts plus
+# about 35 s of start-up, archive and kill grace: under 9 minutes, inside a 600 s command limit (the summary prints the
 # expected wall time, computed from the timeouts below).  Each part runs in its own process under its own timeout
 # (a part gets at most what is left of the budget) and prints one verdict line; one failing, hanging or crashing
 # part does not hide the others.  The summary ends the output.
@@ -26,7 +26,9 @@
 #   planner    the memory planner (accel-flatshard plan) vs max_memory_allocated, emulated W=8, 6 configurations
 #   overlap    (own process: none of the parity parts' exact-math settings) emulated communication on the side
 #              streams, profiled: the fraction of it that overlaps compute, against the ceiling the schedule allows
-# The parity parts (nccl-1gpu, w1, compile, offload-w1; nccl with 2+ GPUs) run twice: as is and in slow-GPU mode (sleeps queued on
+#   muon       torch.optim.Muon (owner computes, matrix_optim.py) on the "matrix_exchange" side stream: 10 steps of a
+#              tiny Llama against the plain model (0 difference expected), as is and in slow-GPU mode
+# The parity parts (nccl-1gpu, w1, compile, offload-w1, muon; nccl with 2+ GPUs) run twice: as is and in slow-GPU mode (sleeps queued on
 # the compute stream before backward and the optimizer step, and on the side streams before each collective), so
 # a missing wait shows as wrong values instead of hiding behind a GPU that never falls behind the host.
 # What comes back: the parts write logs and traces to a work folder ($GPU_CHECK_WORK, default a new folder under
@@ -58,13 +60,13 @@ DEV=()
 [ -n "${GPU_CHECK_DEVICE:-}" ] && DEV=(--device "$GPU_CHECK_DEVICE")
 # the CPU smoke runs the same parts on a loaded CI machine: its timeouts and budget are scaled up
 SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$([ -n "${GPU_CHECK_DEVICE:-}" ] && echo 5 || echo 1)}
-BUDGET=${GPU_CHECK_BUDGET_S:-440}
+BUDGET=${GPU_CHECK_BUDGET_S:-465}
 DEADLINE=$(( SECONDS + BUDGET * SCALE ))
 status=0
 : > "$WORK/verdicts.tsv"
 
 # ---- the parts (1 GPU): name, timeout (s, on the GPU), command; most informative first.  The 1-GPU timeouts add
-# up to the budget (440 s); with start-up, the archive and one killed part's grace the GPU run takes at most 475 s.
+# up to the budget (465 s); with start-up, the archive and one killed part's grace the GPU run takes at most 500 s.
 PARTS=(
   "nccl-1gpu       50 benchmarks/gpu_check.py --part nccl-1gpu"
   "w1              45 benchmarks/gpu_check.py --part w1"
@@ -75,6 +77,7 @@ PARTS=(
   "offload-w1      45 benchmarks/gpu_check_offload.py --part w1"
   "fake-w8         55 benchmarks/gpu_check.py --part fake-w8"
   "offload-fake-w8 30 benchmarks/gpu_check_offload.py --part fake-w8"
+  "muon            25 benchmarks/gpu_check_muon.py"
 )
 # what a timeout means, where it is not simply a hang
 declare -A TIMEOUT_NOTE=(

@@ -20,8 +20,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_GPU_PARTS = ("nccl-1gpu", "w1", "compile", "overlap", "leak", "planner", "offload-w1", "fake-w8",
-                 "offload-fake-w8")  # run order
-PARITY_PARTS = ("nccl-1gpu", "w1", "compile", "offload-w1")  # each run as is and in slow-GPU mode
+                 "offload-fake-w8", "muon")  # run order
+PARITY_PARTS = ("nccl-1gpu", "w1", "compile", "offload-w1", "muon")  # each run as is and in slow-GPU mode
 
 
 def _run_script(tmp_path, **env):
@@ -68,7 +68,7 @@ def test_gpu_check_sh_cpu_smoke_passes_and_everything_comes_back(tmp_path):
     assert proc.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1] + "\n" + proc.stdout.rstrip().splitlines()[-1])
     assert summary.strip() in proc.stdout[-12_000:]
     expected = int(re.search(r"expected wall time: at most (\d+) s on the GPU", summary).group(1))
-    assert expected <= 8 * 60
+    assert expected <= 9 * 60  # inside the device tool's 600 s command limit, with room for its start
 
 
 def test_gpu_check_sh_guards_each_part(tmp_path):
