@@ -3,8 +3,9 @@
 
 The curve is the planner's own measurement (``run.predict(curve=True)``: what is held after every op of the last
 fake step, split as the plan's table splits it); the peak is marked with where it falls.  ``--measured FILE``
-draws a real run beside it: a JSON with ``peak_bytes`` (one per rank) and optionally ``curve`` (per rank, the bytes
-in use after every op of the measured step), as ``tests/scripts/plan_measure.py --curve`` writes.
+draws a real run beside it: a JSON with ``peak_bytes`` (one per rank), optionally ``curve`` (per rank, the bytes
+in use after every op of the measured step) and ``source`` (how it was measured), as
+``tests/scripts/plan_measure.py --curve`` writes.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def plot_plan(planner: Any, cfg: Any, out: str, measured: Optional[Dict[str, Any
         fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=90, sharey=True,
                                         gridspec_kw={"width_ratios": (3, 2)})
         _plot_measured(right, curves, peaks, pred.peak_bytes)
+        right.set_title(f"measured: {measured.get('source', 'the --measured run')}", fontsize=8)
     else:
         fig, ax = plt.subplots(figsize=(10.5, 4.6), dpi=90)
     _shade_phases(ax, [where for where, _ in pred.curve])

@@ -68,7 +68,8 @@ if args.curve:
 if accelerator.is_main_process:
     Path(args.out).write_text(json.dumps({"peak_bytes": peaks, "warnings_first_forward": flatshard(caught[0]),
                                           "warnings_later": flatshard(caught[1]) + flatshard(caught[2]),
-                                          **({"curve": curves} if args.curve else {})}))
+                                          **({"curve": curves, "source": "the step under accelerate launch, "
+                                              "torch's MemTracker (step 3)"} if args.curve else {})}))
 # Exit cleanly (CI saw this script's rank 0 abort, rarely, after its work was done): free the tracker, the
 # wrapped model and its optimizer while the interpreter is whole, then destroy the process group.
 del tracker, model, optimizer, loss
