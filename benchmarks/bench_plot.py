@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
 ENGINES = (("fsdp1", "torch FSDP1"), ("fsdp2", "torch FSDP2"), ("ours", "accel_flatshard"),
@@ -79,7 +80,7 @@ def plot_bench(data: Dict[str, Any], out: str, title: Optional[str] = None) -> N
             right.annotate(f"{mb:,.1f}", (i, mb), ha="center", va="bottom", fontsize=7)
     right.set_ylabel("MiB sent per step and rank (accel_flatshard)")
     right.set_title("bytes on the wire (ShardGroup's counters)", fontsize=8)
-    fig.suptitle(title or "make bench: " + " ".join(data.get("argv", [])[1:]), fontsize=8)
+    fig.suptitle(textwrap.fill(title or "make bench: " + " ".join(data.get("argv", [])[1:]), 160), fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -48,6 +48,10 @@ def _run(cmd: List[str], log: List[str], env: Optional[Dict[str, str]] = None, t
     subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, **(env or {})})
 
 
+def _rel(path: Path) -> str:
+    return os.path.relpath(path, REPO)
+
+
 def timeline(out: Path, tmp: str) -> List[str]:
     log: List[str] = []
     traces = os.path.join(tmp, "traces")
@@ -58,10 +62,10 @@ def timeline(out: Path, tmp: str) -> List[str]:
     with open(run_json) as f:
         r = json.load(f)
     title = (f"accel_flatshard step timeline: Llama {r['layers']} layers x {r['hidden']} hidden "
-             f"({r['params'] / 1e6:.1f} M parameters), W={r['world_size']} (CPU, gloo: async work handles as "
-             f"streams), batch {r['batch']} x {r['seq']} tokens per rank,\nstep {r['steps']} of {r['steps']} "
-             "(torch.profiler via FLATSHARD_PROFILE), each rank's clock from its own step start")
-    _run([sys.executable, "tools/step_timeline.py", "--trace-dir", traces, "--out", str(out / "step_timeline.png"),
+             f"({r['params'] / 1e6:.1f} M parameters), W={r['world_size']}, batch {r['batch']} x {r['seq']} tokens "
+             f"per rank\nCPU, gloo (streams: the async work handles); step {r['steps']} of {r['steps']}, "
+             "torch.profiler via FLATSHARD_PROFILE; each rank's clock from its own step start")
+    _run([sys.executable, "tools/step_timeline.py", "--trace-dir", traces, "--out", _rel(out / "step_timeline.png"),
           "--title", title], log, tmp=tmp)
     return log
 
@@ -75,7 +79,7 @@ def plan(out: Path, tmp: str) -> List[str]:
     _run([str(BIN / "accelerate"), "launch", "--config_file", YAML, "tests/scripts/plan_measure.py", "--model", model,
           "--out", measured, "--curve"], log, tmp=tmp)
     _run([str(BIN / "accel-flatshard"), "plan", "--model", model, "--config_file", YAML, "--batch_size", "8",
-          "--seq_len", "128", "--device", "cpu", "--plot", str(out / "plan.png"), "--measured", measured], log,
+          "--seq_len", "128", "--device", "cpu", "--plot", _rel(out / "plan.png"), "--measured", measured], log,
          tmp=tmp)
     return log
 
@@ -85,10 +89,12 @@ def bench(out: Path, tmp: str, bench_json: Optional[str]) -> List[str]:
     title = None
     if bench_json is None:
         bench_json = os.path.join(tmp, "bench.json")
+        load = os.getloadavg()[0]
         _run([sys.executable, "benchmarks/bench.py", *BENCH_ARGS, "--json", bench_json], log, tmp=tmp)
         title = ("make bench's engines at its small rows, few steps (bench.py " + " ".join(
-            shlex.quote(a) for a in BENCH_ARGS) + "), W=2 CPU gloo, batch 2 x 128 per rank")
-    _run([sys.executable, "benchmarks/bench_plot.py", bench_json, str(out / "bench.png")] +
+            shlex.quote(a) for a in BENCH_ARGS) + f"), W=2 CPU gloo, batch 2 x 128 per rank; a shared "
+            f"{os.cpu_count()}-core host, load average {load:.1f} at the start")
+    _run([sys.executable, "benchmarks/bench_plot.py", bench_json, _rel(out / "bench.png")] +
          (["--title", title] if title else []), log, tmp=tmp)
     return log
 

@@ -95,7 +95,7 @@ def _plot_measured(ax: Any, curves: List[List[int]], peaks: List[int], planned: 
     ax.axhline(planned / MIB, color="#8172b3", linewidth=1.2, linestyle=":",
                label=f"planned peak: {planned / MIB:,.1f} MiB")
     ax.set_xlabel("measured: ops of the real step, in order" if any(curves) else "measured")
-    ax.legend(fontsize=7, loc="upper right", frameon=False)
+    ax.legend(fontsize=7, loc="center right", frameon=False)
     ax.grid(alpha=0.3)
 
 
