@@ -63,8 +63,8 @@ def timeline(out: Path, tmp: str) -> List[str]:
         r = json.load(f)
     title = (f"accel_flatshard step timeline: Llama {r['layers']} layers x {r['hidden']} hidden "
              f"({r['params'] / 1e6:.1f} M parameters), W={r['world_size']}, batch {r['batch']} x {r['seq']} tokens "
-             f"per rank\nCPU, gloo (streams: the async work handles); step {r['steps']} of {r['steps']}, "
-             "torch.profiler via FLATSHARD_PROFILE; each rank's clock from its own step start")
+             f"per rank\nCPU, gloo (streams: the async work handles); step {r['steps']} of {r['steps']} "
+             "(torch.profiler, FLATSHARD_PROFILE), each rank from its step start")
     _run([sys.executable, "tools/step_timeline.py", "--trace-dir", traces, "--out", _rel(out / "step_timeline.png"),
           "--title", title], log, tmp=tmp)
     return log
