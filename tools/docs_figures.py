@@ -132,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "bytes": size}
         print(f"[docs-figures] {png}: {size:,} bytes in {record[png]['seconds']} s"
               + (f" (over the {TARGET_BYTES:,}-byte target)" if size > TARGET_BYTES else ""), flush=True)
-    record_path.write_text(json.dumps(dict(sorted(record.items())), indent=1) + "\n")
+        record_path.write_text(json.dumps(dict(sorted(record.items())), indent=1) + "\n")  # (after each figure)
     return 0
 
 
