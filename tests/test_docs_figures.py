@@ -114,10 +114,24 @@ def test_timeline_rows_per_rank_and_stream_kind_from_a_chrome_trace():
 def test_timeline_plot_writes_a_png_from_trace_files(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"flatshard_trace_rank{rank}.json").write_text(json.dumps(SYNTHETIC_TRACE))
-    rows = step_timeline.rows_from_dir(str(tmp_path))
-    assert sorted(rows) == [(r, kind) for r in (0, 1) for kind in sorted(step_timeline.STREAMS)]
+    rows, step = step_timeline.rows_from_dir(str(tmp_path))
+    assert step == "ProfilerStep#1" and rows[(0, "compute")] == rows[(1, "compute")]
+    assert sorted(rows) == sorted((r, kind) for r in (0, 1) for kind in step_timeline.STREAMS)
     step_timeline.plot_timeline(rows, str(tmp_path / "timeline.png"), "synthetic, W=2")
     assert _is_png(tmp_path / "timeline.png")
+
+
+def test_timeline_draws_the_step_whose_slowest_rank_was_fastest(tmp_path):
+    """Of the steps every rank profiled, the least disturbed: the smallest duration of the slowest rank."""
+    durations = {0: (9000, 5000, 6000), 1: (4000, 7000, 5500)}  # rank -> ProfilerStep#1..3 (us)
+    for rank, steps in durations.items():
+        events, t = [], 0
+        for n, dur in enumerate(steps, 1):
+            events += [_x(f"ProfilerStep#{n}", t, dur), _x(f"flatshard::forward[u{n}]", t + 10, 100)]
+            t += dur
+        (tmp_path / f"flatshard_trace_rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+    rows, step = step_timeline.rows_from_dir(str(tmp_path))
+    assert step == "ProfilerStep#3" and rows[(1, "compute")] == [Bar(0.01, 0.1, "compute", "u3")]
 
 
 # ---------------------------------------------------------------------- the bench figure

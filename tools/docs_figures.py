@@ -2,9 +2,9 @@
 runs on this machine, and docs/figures/figures.json: for each figure the commands that made it and the git commit
 (``git rev-parse --short HEAD``, "+dirty" when the tree had changes) it was made at.
 
-* step_timeline.png: a small Llama (from its config) trained 3 steps at W=2 under ``accelerate launch`` with
-  accelerate_configs/cpu_2proc.yaml and ``FLATSHARD_PROFILE``; the last profiled step of each rank's trace drawn
-  by tools/step_timeline.py;
+* step_timeline.png: a small Llama (from its config) trained 6 steps at W=2 under ``accelerate launch`` with
+  accelerate_configs/cpu_2proc.yaml and ``FLATSHARD_PROFILE``; of the profiled steps, the one whose slowest rank
+  was fastest, drawn by tools/step_timeline.py;
 * plan.png: ``accel-flatshard plan --plot`` on the README's model (``make example``'s GPT-2 config, batch 8 x 128,
   cpu_2proc.yaml) with ``--measured``: the same step under ``accelerate launch`` measured on each rank by torch's
   MemTracker (tests/scripts/plan_measure.py ``--curve``);
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 YAML = "accelerate_configs/cpu_2proc.yaml"
 TIMELINE_ARGS = ["--layers", "4", "--hidden", "256", "--vocab", "4096", "--batch", "4", "--seq", "128",
-                 "--steps", "3"]
+                 "--steps", "6"]  # (profiled: steps 2 to 6, the first a warm-up; FLATSHARD_PROFILE_EVERY=6)
 BENCH_ARGS = ["--rows", "llama-5M,llama-40M", "--engines", "ddp,fsdp1,fsdp2,nocomm", "--ours", "ours",
               "--compile-rows", "", "--muon-rows", "", "--steps", "4", "--warmup", "1"]
 TARGET_BYTES = 150_000  # the issue's target size of one PNG
@@ -58,13 +58,14 @@ def timeline(out: Path, tmp: str) -> List[str]:
     run_json = os.path.join(tmp, "timeline_run.json")
     _run([str(BIN / "accelerate"), "launch", "--config_file", YAML, "tools/step_timeline.py", "--train",
           *TIMELINE_ARGS, "--run-json", run_json], log,
-         env={"FLATSHARD_PROFILE": traces, "FLATSHARD_PROFILE_EVERY": "3"}, tmp=tmp)
+         env={"FLATSHARD_PROFILE": traces, "FLATSHARD_PROFILE_EVERY": "6"}, tmp=tmp)
     with open(run_json) as f:
         r = json.load(f)
     title = (f"accel_flatshard step timeline: Llama {r['layers']} layers x {r['hidden']} hidden "
              f"({r['params'] / 1e6:.1f} M parameters), W={r['world_size']}, batch {r['batch']} x {r['seq']} tokens "
-             f"per rank\nCPU, gloo (streams: the async work handles); step {r['steps']} of {r['steps']} "
-             "(torch.profiler, FLATSHARD_PROFILE), each rank from its step start")
+             f"per rank\nCPU, gloo (streams: the async work handles); torch.profiler (FLATSHARD_PROFILE): {{step}} "
+             f"of 5 profiled, the least disturbed (load average {os.getloadavg()[0]:.1f} after the run); each rank "
+             "from its step start")
     _run([sys.executable, "tools/step_timeline.py", "--trace-dir", traces, "--out", _rel(out / "step_timeline.png"),
           "--title", title], log, tmp=tmp)
     return log

@@ -10,7 +10,8 @@ Three parts, each usable alone:
   compute (``forward[unit]`` / ``backward`` / the optimizer step), all-gather, reduce-scatter.  On CPU/gloo the
   "streams" are the asynchronous work handles: an all-gather row holds its issue (``all_gather[unit]``) and the
   training thread's wait on it (``wait_all_gather[unit]``, exposed), the same for reduce-scatter;
-* :func:`plot_timeline`: those rows as a PNG, coloured per unit, waits hatched.
+* :func:`plot_timeline`: those rows as a PNG, coloured per unit, waits hatched (:func:`rows_from_dir`: of the
+  profiled steps, the one whose slowest rank was fastest: the least disturbed by other load on a shared host).
 
 ``python tools/step_timeline.py --trace-dir DIR --out PNG --title ...`` plots existing traces.
 """
@@ -113,17 +114,30 @@ def timeline_rows(trace: Any, rank: int, step: Optional[Tuple[float, float]] = N
     return rows
 
 
-def rows_from_dir(trace_dir: str) -> Dict[Tuple[int, str], List[Bar]]:
-    """Every ``flatshard_trace_rank{r}.json`` of ``trace_dir``, each rank's last step."""
-    rows: Dict[Tuple[int, str], List[Bar]] = {}
+def profiler_steps(trace: Any) -> Dict[str, Tuple[float, float]]:
+    """``{"ProfilerStep#N": (start, end) in us}`` of a Chrome trace."""
+    return {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in _complete_events(trace)
+            if e["name"].startswith("ProfilerStep#")}
+
+
+def rows_from_dir(trace_dir: str) -> Tuple[Dict[Tuple[int, str], List[Bar]], str]:
+    """The rows of every ``flatshard_trace_rank{r}.json`` of ``trace_dir`` at one profiler step, and its name: of the
+    steps every rank recorded, the one whose slowest rank was fastest (the least disturbed by other load on the
+    host); without profiler steps, each whole trace."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "flatshard_trace_rank*.json")))
     if not paths:
         raise FileNotFoundError(f"{trace_dir}: no flatshard_trace_rank*.json (run with FLATSHARD_PROFILE={trace_dir})")
+    traces = {}
     for path in paths:
-        rank = int(re.search(r"rank(\d+)\.json$", path).group(1))
         with open(path) as f:
-            rows.update(timeline_rows(json.load(f), rank))
-    return rows
+            traces[int(re.search(r"rank(\d+)\.json$", path).group(1))] = json.load(f)
+    steps = {rank: profiler_steps(t) for rank, t in traces.items()}
+    common = set.intersection(*(set(s) for s in steps.values()))
+    chosen = min(common, key=lambda n: (max(s[n][1] - s[n][0] for s in steps.values()), n)) if common else ""
+    rows: Dict[Tuple[int, str], List[Bar]] = {}
+    for rank, trace in traces.items():
+        rows.update(timeline_rows(trace, rank, steps[rank][chosen] if chosen else None))
+    return rows, chosen
 
 
 def plot_timeline(rows: Dict[Tuple[int, str], List[Bar]], out: str, title: str) -> None:
@@ -213,14 +227,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--run-json", help="train: write the run's model size, W and batch here (the figure's title)")
     p.add_argument("--trace-dir", help="plot: the FLATSHARD_PROFILE directory")
     p.add_argument("--out", help="plot: the PNG")
-    p.add_argument("--title", default="accel_flatshard step timeline")
+    p.add_argument("--title", default="accel_flatshard step timeline, {step}", help="{step}: the profiler step drawn")
     args = p.parse_args(argv)
     if args.train:
         train(args)
     else:
         if not (args.trace_dir and args.out):
             p.error("give --train, or --trace-dir and --out")
-        plot_timeline(rows_from_dir(args.trace_dir), args.out, args.title)
+        rows, step = rows_from_dir(args.trace_dir)
+        plot_timeline(rows, args.out, args.title.replace("{step}", step or "the whole trace"))
     return 0
 
 
