@@ -72,7 +72,7 @@ def plot_bench(data: Dict[str, Any], out: str, title: Optional[str] = None) -> N
     left.set_xlabel("model (parameters)")
     left.set_ylabel("step time / DDP's (median of paired steps)")
     left.grid(alpha=0.3)
-    left.legend(fontsize=7, frameon=False)
+    left.legend(fontsize=7, frameon=False, loc="best")
     if traffic:
         right.bar(range(len(traffic)), [mb for _, _, mb in traffic], color="#4c72b0")
         right.set_xticks(range(len(traffic)), [f"{row}\n{p / 1e6:.1f} M" for p, row, _ in traffic], fontsize=7)

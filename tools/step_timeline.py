@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 STREAMS = ("compute", "all-gather", "reduce-scatter")
@@ -152,7 +153,7 @@ def plot_timeline(rows: Dict[Tuple[int, str], List[Bar]], out: str, title: str) 
     units = sorted({b.unit for bars in rows.values() for b in bars if b.unit}, key=_unit_order)
     cmap = plt.get_cmap("tab10" if len(units) <= 10 else "tab20")
     colour = {u: cmap(i % cmap.N) for i, u in enumerate(units)}
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(keys) + 1.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(keys) + 1.9), dpi=90)
     for y, key in enumerate(reversed(keys)):
         for b in rows[key]:
             face = "0.45" if b.what == "optimizer" else colour.get(b.unit, "0.85")
@@ -163,7 +164,7 @@ def plot_timeline(rows: Dict[Tuple[int, str], List[Bar]], out: str, title: str) 
                            linewidth=0.4 if b.what == "wait" else 0, **style)
     ax.set_yticks(range(len(keys)), [f"rank {r} {kind}" for r, kind in reversed(keys)], fontsize=8)
     ax.set_xlabel("ms from the step's start")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.fill(line, 125) for line in title.splitlines()), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     legend = [Patch(facecolor=colour[u], label=u) for u in units] + [
         Patch(facecolor="0.45", label="optimizer step"), Patch(facecolor="0.85", label="backward, no unit"),
