@@ -43,7 +43,8 @@ def _run(cmd: List[str], log: List[str], env: Optional[Dict[str, str]] = None, t
     written as $TMP)."""
     shown = " ".join(shlex.quote(os.path.relpath(c, REPO) if c.startswith(str(BIN)) else c) for c in cmd)
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    log.append(((extra + " ") if extra else "") + (shown.replace(tmp, "$TMP") if tmp else shown))
+    line = ((extra + " ") if extra else "") + shown
+    log.append(line.replace(tmp, "$TMP") if tmp else line)
     print(f"[docs-figures] {log[-1]}", flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, **(env or {})})
 
