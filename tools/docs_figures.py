@@ -101,11 +101,12 @@ def bench(out: Path, tmp: str, bench_json: Optional[str]) -> List[str]:
     return log
 
 
-def _commit() -> str:
+def _commit(out: Path) -> str:
+    """HEAD, "+dirty" if a tracked file other than the figures themselves has changes."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{_rel(out)}"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
@@ -117,7 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    commit = _commit()
+    commit = _commit(out)
     record_path = out / "figures.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     makers = {"timeline": ("step_timeline.png", lambda tmp: timeline(out, tmp)),
