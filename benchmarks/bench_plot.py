@@ -53,7 +53,7 @@ def plot_bench(data: Dict[str, Any], out: str, title: Optional[str] = None) -> N
     by_engine, traffic = ratios(results), sent(results)
     if not by_engine:
         raise ValueError("no row ran DDP next to other engines: nothing to draw relative to DDP")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=90, gridspec_kw={"width_ratios": (3, 2)})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6), dpi=90, gridspec_kw={"width_ratios": (3, 2)})
     styles = {"fsdp1": ("#dd8452", "s"), "fsdp2": ("#c44e52", "^"), "ours": ("#4c72b0", "o"),
               "nocomm": ("0.5", "v")}
     for e, label in ENGINES:
@@ -72,7 +72,7 @@ def plot_bench(data: Dict[str, Any], out: str, title: Optional[str] = None) -> N
     left.set_xlabel("model (parameters)")
     left.set_ylabel("step time / DDP's (median of paired steps)")
     left.grid(alpha=0.3)
-    left.legend(fontsize=7, frameon=False, loc="best")
+    left.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(0, -0.2), ncol=3)
     if traffic:
         right.bar(range(len(traffic)), [mb for _, _, mb in traffic], color="#4c72b0")
         right.set_xticks(range(len(traffic)), [f"{row}\n{p / 1e6:.1f} M" for p, row, _ in traffic], fontsize=7)
