@@ -5,7 +5,7 @@ PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 PINS := constraints/pinned.txt
 
-.PHONY: example lint test test-ci test-all test-latest bench bench-gen clean
+.PHONY: example lint test test-ci test-all test-latest bench bench-gen docs-figures clean
 
 $(VENV_STAMP): pyproject.toml $(PINS)
 	python3 -m venv .venv
@@ -48,6 +48,12 @@ bench: $(VENV_STAMP)
 
 bench-gen: $(VENV_STAMP)
 	$(PY) benchmarks/gen_bench.py
+
+# docs/figures/*.png and figures.json (issue 47), from real runs here: the W=2 step timeline, the planner's plot
+# with a measured run, the bench figure (bench.py at its small rows; tools/docs_figures.py --bench-json FILE draws
+# a full `make bench`'s output instead).  matplotlib: the `docs` extra, in the test extra too.
+docs-figures: $(VENV_STAMP)
+	$(PY) tools/docs_figures.py
 
 clean:
 	rm -rf .venv .venv-oldest .venv-latest build *.egg-info

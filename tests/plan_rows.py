@@ -167,6 +167,7 @@ class _LimitedTracker(MemTracker):
     def __init__(self, limit: Optional[int]) -> None:
         super().__init__()
         self.limit = limit
+        self.curve: Optional[List[int]] = None  # a list: the bytes in use after every op (plan --plot --measured)
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
         # its gradient hooks fail on frozen parameters; gradients are op outputs, counted anyway
@@ -175,6 +176,8 @@ class _LimitedTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         used = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        if self.curve is not None:
+            self.curve.append(used)
         if self.limit is not None and used > self.limit:
             raise SimulatedOOM(f"{used} bytes in use > {self.limit} at {func}")
         return out

@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if this host has one")
     p.add_argument("--optimizer", default="AdamW", help="a torch.optim class (default AdamW)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (the peak: peak_bytes)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="also draw rank 0's memory over the planned step, by "
+                   "kind, the peak marked, as a PNG (needs matplotlib: pip install 'accel_flatshard[docs]')")
+    p.add_argument("--measured", default=None, metavar="FILE", help="with --plot: a measured run's JSON drawn beside "
+                   "the plan (peak_bytes per rank, optionally curve per rank: tests/scripts/plan_measure.py --curve)")
     return p
 
 
@@ -180,6 +184,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         planner, cfg = planned(args, launch)
         memory = parse_size(args.device_memory, "--device_memory") if args.device_memory else None
+        if args.measured and not args.plot:
+            raise ValueError("--measured is drawn with --plot FILE")
+        if args.plot:
+            from .plot import plot_plan, read_measured
+
+            plot_plan(planner, cfg, args.plot, read_measured(args.measured) if args.measured else None)
         out = report(planner, cfg, memory)
     except (ValueError, OSError, ImportError) as exc:
         print(f"accel-flatshard plan: error: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,8 @@ class Prediction:
     parts: Dict[str, int]  # what is held at the peak, by kind
     saved: int = 0  # activations (and inputs) held at the end of the forward, for backward
     snapshot: int = 0  # host memory: an asynchronous save's snapshot (FLATSHARD_ASYNC_SAVE=1)
+    # predict(curve=True): after every op of the measured step, (where the step is, bytes held by kind of PARTS)
+    curve: List[Tuple[str, Dict[str, int]]] = dataclasses.field(default_factory=list)
 
 
 class _Gloo(HostAdapter):
@@ -110,8 +112,9 @@ PARTS = ("parameter shards", "gradient shards", "optimizer state", "module buffe
 PERSISTENT = ("parameter shards", "optimizer state", "module buffers")  # (the rest: "... at the peak")
 
 
-def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
-    """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where."""
+def predict(planner: Any, cfg: Any, curve: bool = False) -> Prediction:  # (a Planner, a Config)
+    """One rank's peak in the last of two training steps of ``cfg``, what is held at it, and where (``curve``: also
+    what is held after every op of that step, ``Prediction.curve``)."""
     cuda = planner.device == "cuda"
     trace, best = _Trace(cuda=cuda), Prediction(0, "", {})
     group = cfg.shard_size(planner.world_size)
@@ -140,7 +143,7 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
             optimizer = chained or planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
             with trace:
                 for micro_steps, measured in ((1, None), (min(planner.batch_size // cfg.micro_batch, 2), best)):
-                    _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, measured)
+                    _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, measured, curve)
             if environment.get("FLATSHARD_ASYNC_SAVE"):
                 best.snapshot = _snapshot(wrapped, optimizer, "SHARDED" in planner.options.state_dict_type)
     except Exception as exc:  # noqa: BLE001 - named for the user: the model, the op, and why fake tensors failed
@@ -152,8 +155,8 @@ def predict(planner: Any, cfg: Any) -> Prediction:  # (a Planner, a Config)
 
 
 def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer,
-          trace: _Trace, batch: Any, micro_steps: int, best: Optional[Prediction] = None) -> None:
-    """One optimizer step of ``micro_steps`` forwards and backwards (``best``: measured into it)."""
+          trace: _Trace, batch: Any, micro_steps: int, best: Optional[Prediction] = None, curve: bool = False) -> None:
+    """One optimizer step of ``micro_steps`` forwards and backwards (``best``: measured into it, with its curve)."""
     if best is not None:  # what persists is known by now
         for tensor, kind in [(f.local_shard, "parameter shards") for f in wrapped.flat_params] + [
                 (b, "module buffers") for b in wrapped.buffers()] + [
@@ -161,6 +164,8 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
                 if isinstance(t, torch.Tensor)]:
             trace.relabel(tensor, kind)
         trace.peak, trace.on_peak = 0, lambda: _held(trace, wrapped, best)
+        if curve:
+            trace.on_op = lambda: best.curve.append(_sample(trace, wrapped))
         saved = wrapped.register_forward_hook(lambda *_: setattr(best, "saved", max(best.saved,
                                                                                      trace.kinds["activations"])))
     for i in range(micro_steps):
@@ -181,18 +186,25 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
     trace.kind = "activations"
     if best is not None:
         saved.remove()
+        trace.on_op = None
 
 
 def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) -> None:
     """A new peak: what is held, by kind, and where the step is."""
+    best.where, parts = _sample(trace, wrapped)
+    best.peak_bytes, best.parts = trace.peak, parts
+
+
+def _sample(trace: _Trace, wrapped: FullyShardedDataParallel) -> Tuple[str, Dict[str, int]]:
+    """Where the step is and what is held now, by kind of :data:`PARTS` (gradients labelled as such first)."""
     for f in wrapped.flat_params:
         trace.relabel(f.sharded_grad, "gradient shards"), trace.relabel(f.unsharded.grad, "full gradients")
-    best.peak_bytes, best.parts = trace.peak, {kind: trace.kinds[kind] for kind in PARTS}
     schedule = wrapped.schedule  # (the innermost unit running: the first of the order in backward, last in forward)
     phase, state = ("backward", UnitState.BACKWARD) if schedule.in_backward else ("forward", UnitState.FORWARD)
     busy = [u.name for u in (schedule.recorded_order or schedule.units) if not u.is_root and u.state is state]
-    best.where = trace.kind if trace.kind == "optimizer step" else \
+    where = trace.kind if trace.kind == "optimizer step" else \
         f"{phase} of {(busy[0] if phase == 'backward' else busy[-1]) if busy else '<root>'}"
+    return where, {kind: trace.kinds[kind] for kind in PARTS}
 
 
 def _snapshot(wrapped: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, sharded: bool) -> int:

@@ -32,6 +32,7 @@ class _Trace(TorchDispatchMode):
         self.lingering: List[Tuple[int, int, str]] = []  # (the first event that frees it, bytes, kind)
         self.events, self.live, self.peak = 0, 0, 0
         self.on_peak: Callable[[], None] = lambda: None
+        self.on_op: Optional[Callable[[], None]] = None  # called after every op (the plot's curve, plan/plot.py)
         self.failed: Any = None  # the first op that raised (named in the planner's error)
         self.real = weakref.WeakValueDictionary()  # id -> a real tensor (a batch's mask): ops on these alone run real
 
@@ -55,6 +56,8 @@ class _Trace(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
             self.on_peak()
+        if self.on_op is not None:
+            self.on_op()
         return out
 
     def add_real(self, tensors: Sequence[torch.Tensor]) -> None:

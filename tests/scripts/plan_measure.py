@@ -2,7 +2,8 @@
 through accel_flatshard's Accelerator, each of ``--gradient_accumulation_steps`` micro-batches of ``--batch_size``
 x 128 tokens under ``accelerator.accumulate`` (``--sync_each_batch``: GradientAccumulationPlugin's); each rank's
 peak of step 3 measured by torch's MemTracker (tests/plan_rows.py), and the warnings of the first forward
-(prepare's memory check, given ``--device_memory`` as the free memory of the device) and of the later steps."""
+(prepare's memory check, given ``--device_memory`` as the free memory of the device) and of the later steps;
+``--curve``: also each rank's bytes in use after every op of step 3 (``accel-flatshard plan --plot --measured``)."""
 import argparse
 import gc
 import json
@@ -28,6 +29,7 @@ p.add_argument("--device_memory", type=int, default=2**40)
 p.add_argument("--batch_size", type=int, default=8)
 p.add_argument("--gradient_accumulation_steps", type=int, default=1)  # (an FSDP launch does not pass its flag on)
 p.add_argument("--sync_each_batch", action="store_true")
+p.add_argument("--curve", action="store_true", help="also write each rank's bytes in use after every op of step 3")
 args = p.parse_args()
 integration.available_bytes = lambda device: args.device_memory  # a device of this size (prepare checks only CUDA's)
 
@@ -44,6 +46,7 @@ for step in range(3):
     tracker = None
     if step == 2:
         tracker = _LimitedTracker(None)
+        tracker.curve = [] if args.curve else None
         tracker.track_external(model, optimizer.optimizer, *[f.unsharded for f in model.flat_params], x, y)
     with warnings.catch_warnings(record=True) as caught[step], tracker or warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -59,9 +62,14 @@ peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
 peaks = [None] * accelerator.num_processes
 dist.all_gather_object(peaks, peak)
 flatshard = lambda ws: [str(w.message) for w in ws if "accel_flatshard: predicted peak" in str(w.message)]  # noqa: E731
+curves = [None] * accelerator.num_processes
+if args.curve:
+    dist.all_gather_object(curves, tracker.curve)
 if accelerator.is_main_process:
     Path(args.out).write_text(json.dumps({"peak_bytes": peaks, "warnings_first_forward": flatshard(caught[0]),
-                                          "warnings_later": flatshard(caught[1]) + flatshard(caught[2])}))
+                                          "warnings_later": flatshard(caught[1]) + flatshard(caught[2]),
+                                          **({"curve": curves, "source": "the step under accelerate launch, "
+                                              "torch's MemTracker (step 3)"} if args.curve else {})}))
 # Exit cleanly (CI saw this script's rank 0 abort, rarely, after its work was done): free the tracker, the
 # wrapped model and its optimizer while the interpreter is whole, then destroy the process group.
 del tracker, model, optimizer, loss
