@@ -111,3 +111,32 @@ def spawn(world_size: int, fn: Callable, *args: Any, timeout_s: float = 120.0) -
             failure.results = by_rank  # what the surviving ranks returned
             raise failure
         return results
+
+
+def trainer_run_and_resume(make_trainer: Callable[[str], Any], root: str) -> tuple:
+    """In a rank: ``make_trainer(output_dir)`` (a ``transformers.Trainer`` that checkpoints at step 4) trained to its
+    end, then a fresh one resumed from that checkpoint.  Returns (losses by step, the resumed run's losses by step,
+    whether the Trainer's model was accel_flatshard's wrapper)."""
+    def run(out: str, resume: Any = None) -> tuple:
+        trainer = make_trainer(out)
+        trainer.train(resume_from_checkpoint=resume)
+        losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+        sharded = type(trainer.model).__name__ == "FullyShardedDataParallel"
+        trainer.accelerator.wait_for_everyone()
+        return losses, sharded
+
+    losses, sharded = run(os.path.join(root, "run"))
+    resumed, _ = run(os.path.join(root, "resumed"), os.path.join(root, "run", "checkpoint-4"))
+    return losses, resumed, sharded
+
+
+def trainer_args(out: str, world: int, **overrides: Any) -> Any:
+    """The tests' ``TrainingArguments``: 6 steps of a global batch of 8 on CPU, a checkpoint at step 4, a loss logged
+    every step, no reporting, seeded."""
+    import transformers
+
+    kwargs = dict(output_dir=out, max_steps=6, per_device_train_batch_size=8 // world, lr_scheduler_type="constant",
+                  logging_steps=1, save_strategy="steps", save_steps=4, report_to=[], seed=0, data_seed=0,
+                  disable_tqdm=True, use_cpu=True, dataloader_drop_last=True)
+    return transformers.TrainingArguments(**{**kwargs, **overrides})
+

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import models
-from dist_helpers import spawn
+from dist_helpers import spawn, trainer_args, trainer_run_and_resume
 
 from accel_flatshard import ChainedOptimizer
 from accel_flatshard.matrix_optim import assign_owners
@@ -350,23 +350,12 @@ def _trainer(rank, world, root, ddp):
     ids = torch.cat(_data())
     ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}).with_format("torch")
 
-    def run(out, resume=None):
+    def make_trainer(out):
         model = models.llama(n_layer=2)
-        args = transformers.TrainingArguments(
-            output_dir=out, max_steps=6, per_device_train_batch_size=8 // world, learning_rate=1e-2,
-            lr_scheduler_type="constant", logging_steps=1, save_strategy="steps", save_steps=4, report_to=[],
-            seed=0, data_seed=0, disable_tqdm=True, use_cpu=True, dataloader_drop_last=True)
-        optimizer = ChainedOptimizer(_optimizers(model))
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, optimizers=(optimizer, None))
-        trainer.train(resume_from_checkpoint=resume)
-        losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-        sharded = type(trainer.model).__name__ == "FullyShardedDataParallel"
-        trainer.accelerator.wait_for_everyone()
-        return losses, sharded
+        return transformers.Trainer(model=model, args=trainer_args(out, world, learning_rate=1e-2), train_dataset=ds,
+                                    optimizers=(ChainedOptimizer(_optimizers(model)), None))
 
-    losses, sharded = run(os.path.join(root, "run"))
-    resumed, _ = run(os.path.join(root, "resumed"), os.path.join(root, "run", "checkpoint-4"))
-    return losses, resumed, sharded
+    return trainer_run_and_resume(make_trainer, root)
 
 
 @pytest.mark.ci

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import models
-from dist_helpers import spawn
+from dist_helpers import spawn, trainer_args, trainer_run_and_resume
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is an optional extra: pip install 'accel_flatshard[bnb]'")
 pytest.importorskip("peft")
@@ -162,22 +162,12 @@ def _trainer(rank, world, base, root):
     ids = torch.cat(_data())
     ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()}).with_format("torch")
 
-    def run(out, resume=None):
-        args = transformers.TrainingArguments(
-            output_dir=out, max_steps=6, per_device_train_batch_size=8 // world, learning_rate=1e-3, bf16=True,
-            lr_scheduler_type="constant", logging_steps=1, save_strategy="steps", save_steps=4, report_to=[],
-            seed=0, data_seed=0, disable_tqdm=True, use_cpu=True, dataloader_drop_last=True)
-        trainer = transformers.Trainer(model=load_qlora(base), args=args, train_dataset=ds)
-        trainer.train(resume_from_checkpoint=resume)
-        torch.set_num_threads(1)
-        losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-        sharded = type(trainer.model).__name__ == "FullyShardedDataParallel"
-        trainer.accelerator.wait_for_everyone()
-        return losses, sharded
+    def make_trainer(out):
+        torch.set_num_threads(1)  # (the Trainer's Accelerator of the run before set its own count)
+        args = trainer_args(out, world, learning_rate=1e-3, bf16=True)
+        return transformers.Trainer(model=load_qlora(base), args=args, train_dataset=ds)
 
-    losses, sharded = run(os.path.join(root, "run"))
-    resumed, _ = run(os.path.join(root, "resumed"), os.path.join(root, "run", "checkpoint-4"))
-    return losses, resumed, sharded
+    return trainer_run_and_resume(make_trainer, root)
 
 
 @pytest.mark.ci
