@@ -211,9 +211,10 @@ class ShardGroup:
         batch straight into every output's slots; else one all-gather (of several shards: packed as bytes, copied out
         into the outputs once it completes).  ``kind`` labels the bytes sent ("forward gather", ...)."""
         members = self.node if in_node else self.shard
-        self.bytes_gathered += sum(s.numel() * s.element_size() for s in shards)
+        sizes = [s.numel() * s.element_size() for s in shards]
+        self.bytes_gathered += sum(sizes)
         self.all_gathers += 1
-        self._count(kind, members, sum(s.numel() * s.element_size() for s in shards))
+        self._count(kind, members, sum(sizes))
         if members.size == 1 and not self.collectives_at_one_rank:
             for output, shard in zip(outputs, shards):
                 output.copy_(shard)
@@ -223,7 +224,6 @@ class ShardGroup:
         if len(shards) == 1:
             work = _all_gather_flat(outputs[0], shards[0], group=members.group, async_op=async_op)
             return work if async_op else DONE
-        sizes = [s.numel() * s.element_size() for s in shards]
         packed = torch.cat([s.reshape(-1).view(torch.uint8) for s in shards])
         gathered = torch.empty(members.size * packed.numel(), dtype=torch.uint8, device=packed.device)
         work = _all_gather_flat(gathered, packed, group=members.group, async_op=async_op)

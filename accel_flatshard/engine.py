@@ -106,21 +106,24 @@ class Engine:
             self.wait_unshard(next(iter(self._gathers)))  # the oldest
         s = self.streams
         s.wait_for_freed(self.options.limit_all_gathers)
+        outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
+        quantized = self.options.quantized_all_gather and not in_node  # int8 of the master shards, one collective
         with span("all_gather", label):
             with s.on(self.all_gather_stream):
                 for flat in flats:
                     if flat.storage_owner is flat:  # (packed: the unit's one gathered storage, grown once)
                         s.alloc_gathered(flat)
-                if secondary is None:  # offload: the shard is host memory, copied to the device; the cast is sent
-                    shards = [(s.to_device(f.local_shard) if self.offload else f.local_shard).to(f.compute_dtype)
-                              for f in flats]
-            if secondary is not None:
+                if not in_node:  # offload: the shard is host memory, copied to the device; the cast is sent
+                    def master(f: FlatParameter) -> torch.Tensor:
+                        return s.to_device(f.local_shard) if self.offload else f.local_shard
+
+                    # (int8: quantized from the masters in the collective; else each copy is dropped once cast)
+                    masters = [master(f) for f in flats] if quantized else None
+                    shards = masters if quantized else [master(f).to(f.compute_dtype) for f in flats]
+            if in_node:
                 shards, ready = secondary
                 s.wait_event(self.all_gather_stream, ready)  # (copied on the compute stream after the forward)
-            outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
-            if self.options.quantized_all_gather and not in_node:  # int8 of the master shards, one collective
-                with s.on(self.all_gather_stream):
-                    masters = [s.to_device(f.local_shard) if self.offload else f.local_shard for f in flats]
+            if quantized:
                 handle = s.collective(self.all_gather_stream, lambda async_op: self.group.all_gather_quantized(
                     outs, masters, self.options.quant_block, f"unit {label} weights", async_op=async_op, kind=kind),
                     keep=masters)
