@@ -74,3 +74,22 @@ def test_muon_steps_on_the_simulated_gpu_as_without_it_and_as_the_plain_model(tm
     assert sum(source.startswith("matrix_exchange:") for source in waits) == 2 * len(data), waits
     streams = {stream for what, stream, kind in sim.log if what == "read" and kind == "matrix_work"}
     assert {s.split(":")[0] for s in streams} == {"compute0", "matrix_exchange"}, streams
+
+
+def test_muon_over_a_model_offloaded_from_a_gpu_is_refused_at_its_first_step_naming_the_option():
+    """CPU offload on CUDA keeps the shards in host memory while the exchange runs on the device: not supported,
+    said at Muon's first step (before any exchange), with the yaml option to turn off; nothing is updated."""
+    from accel_flatshard import CPUOffload
+
+    model = llama(n_layer=2)
+    optimizers = _optimizers(model)
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy([llama_layer_class()]),
+                                       cpu_offload=CPUOffload(True))
+    sim = simulate_cuda(wrapped)
+    with sim:
+        x = batches(1)[0]
+        wrapped(x, labels=x).loss.backward()
+        before = [p.detach().clone() for p in wrapped.parameters()]
+        with pytest.raises(NotImplementedError, match="Muon with CPU offload onto .*train without fsdp_offload_params"):
+            optimizers[0].step()
+    assert all(torch.equal(a, b) for a, b in zip(before, wrapped.parameters()))

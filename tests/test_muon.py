@@ -195,6 +195,14 @@ def test_chained_optimizer_steps_saves_and_loads_like_its_optimizers():
     assert again.optimizers[0].param_groups[0]["lr"] == 0.5
 
 
+def test_a_group_added_to_the_chained_optimizer_is_refused_naming_where_to_add_it():
+    model = models.llama(n_layer=1)
+    chained = ChainedOptimizer(_optimizers(model))
+    with pytest.raises(NotImplementedError, match=r"add the group to one of the chained optimizers"):
+        chained.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert len(chained.param_groups) == 2  # unchanged
+
+
 # ---------------------------------------------------------------------- W=2 (default)
 def test_muon_at_w2_through_prepare_equals_ddp_and_resumes(tmp_path):
     results = spawn(2, _parity_and_resume, str(tmp_path))
