@@ -110,7 +110,9 @@ class ShardGroup:
     the shard group's size.  The collective settings are ``options``' ``gloo_p2p``, ``reduce_scatter_via_all_reduce``
     and ``timeout_s``.  Machines are blocks of ``ranks_per_node`` consecutive ranks: ``sent`` counts the bytes this
     rank sends, by kind and by whether they cross machines, and with ``node_local_backward_gather`` the node groups
-    (the shard group's members on one machine) gather units in backward (``all_gather(..., in_node=True)``)."""
+    (the shard group's members on one machine) gather units in backward (``all_gather(..., in_node=True)``) and
+    gradients are reduced inside the machine first, then across machines over the column groups (the shard group's
+    members with this rank's index on their machine): :meth:`reduce_scatter`."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  options: Optional[FlatShardOptions] = None) -> None:
@@ -147,7 +149,8 @@ class ShardGroup:
         self.ranks_per_node = options.ranks_per_node or self.world_size  # (None: every rank on one machine)
         self.shard = self._members(self.shard_group)
         self.replicas = self._members(self.replica_group) if self.replica_group is not None else None
-        self.node = self._node_group(options) if options.node_local_backward_gather else None
+        self.node, self.column = (self._node_groups(options) if options.node_local_backward_gather
+                                  else (None, None))
         # gloo's all_gather_single / reduce_scatter_single stage through temporaries (152 MiB: 262 / 165 ms,
         # all-reduce 88 ms; isend/irecv straight into / out of the slots 99 ms, benchmarks/comm_bench.py): on
         # gloo both run as point-to-point batches unless FLATSHARD_GLOO_P2P=0.
@@ -168,19 +171,24 @@ class ShardGroup:
         on_node = sum(r // self.ranks_per_node == node for r in ranks) - 1
         return Members(group, len(ranks), dist.get_rank(group), on_node)
 
-    def _node_group(self, options: FlatShardOptions) -> Optional[Members]:
-        """The shard group's members on this rank's machine, for backward gathers that stay inside it (None when the
-        whole shard group is on one machine: every gather stays inside it already)."""
+    def _node_groups(self, options: FlatShardOptions) -> Tuple[Optional[Members], Optional[Members]]:
+        """The shard group's members on this rank's machine (the node group: backward gathers and the first half of a
+        reduction stay inside it) and those with this rank's index on each machine (the column group: the second
+        half of a reduction); (None, None) when the whole shard group is on one machine: nothing crosses machines."""
         n, g = self.ranks_per_node, self.shard_size
         if n >= g:
-            return None
+            return None, None
         if g % n or self.world_group is not dist.group.WORLD:
             raise ValueError(f"node_local_backward_gather: the shard group ({g} ranks) must be whole machines of "
                              f"ranks_per_node={n} ranks of the default process group; set ranks_per_node to a divisor "
                              "of the shard group size (LOCAL_WORLD_SIZE under accelerate launch / torchrun)")
-        blocks = [list(range(s + k * n, s + (k + 1) * n)) for s in range(0, self.world_size, g) for k in range(g // n)]
-        group = _subgroup_containing(self.world_rank, blocks, datetime.timedelta(seconds=options.timeout_s))
-        return Members(group, n, dist.get_rank(group), n - 1)
+        timeout, machines = datetime.timedelta(seconds=options.timeout_s), g // n
+        blocks = [list(range(s + k * n, s + (k + 1) * n)) for s in range(0, self.world_size, g)
+                  for k in range(machines)]
+        columns = [[s + k * n + i for k in range(machines)] for s in range(0, self.world_size, g) for i in range(n)]
+        node = _subgroup_containing(self.world_rank, blocks, timeout)
+        column = _subgroup_containing(self.world_rank, columns, timeout)
+        return Members(node, n, dist.get_rank(node), n - 1), Members(column, machines, dist.get_rank(column), 0)
 
     def _count(self, kind: str, members: Members, per_peer: int) -> None:
         """What this rank sends to each other member, split by machine (and marked for a running profiler)."""
@@ -274,43 +282,46 @@ class ShardGroup:
         work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
         return _then(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
-    def _reduce_scatter_p2p(self, output: torch.Tensor, full: torch.Tensor) -> "_Works":
-        """Reduce-scatter as sends of every peer's chunk and receives of theirs copies of ours; ``wait()``
-        sums them into ``output`` (in rank order, so every rank adds in the same order)."""
-        chunks = full.chunk(self.shard_size)
-        peers = [r for r in range(self.shard_size) if r != self.shard_rank]
-        received = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
-        ops = []
-        for i, peer in enumerate(peers):
-            ops.append(dist.P2POp(dist.isend, chunks[peer], group=self.shard_group, group_peer=peer, tag=2))
-            ops.append(dist.P2POp(dist.irecv, received[i], group=self.shard_group, group_peer=peer, tag=2))
-
-        def sum_into_output() -> None:
-            parts = [chunks[r] if r == self.shard_rank else received[peers.index(r)] for r in range(self.shard_size)]
-            if len(parts) == 1:
-                output.copy_(parts[0])
-                return
-            torch.add(parts[0], parts[1], out=output)  # one pass: the first part is not copied before the adds
-            for part in parts[2:]:
-                output.add_(part)
-
-        return _Works(dist.batch_isend_irecv(ops), then=sum_into_output)
-
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
-        and this rank's part copied out once the work is complete)."""
+        and this rank's part copied out once the work is complete; with node groups: :meth:`_reduce_scatter_in_two`)."""
         self.bytes_reduced += full.numel() * full.element_size()
+        # (a shard group over 2 machines or more, of 2 ranks or more each; with 1, the column group is the shard group)
+        if self.column is not None and self.node.size > 1 and not self.reduce_scatter_via_all_reduce:
+            return self._reduce_scatter_in_two(output, full, async_op)
         self._count("reduction", self.shard, output.numel() * output.element_size())
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
         if self.via_p2p:
-            return _waited(self._reduce_scatter_p2p(output, full), async_op)
+            return _waited(_reduce_scatter_p2p(self.shard, [output], [full]), async_op)
         if not self.reduce_scatter_via_all_reduce:
             work = _reduce_scatter_flat(output, full, group=self.shard_group, async_op=async_op)
             return work if async_op else DONE
         work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
         return _waited(_Works([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
+
+    def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
+        """hpZ's reduction, exact (only the order of the sums differs): first inside the machine, then 1/N of it across
+        machines (N ranks per machine, M machines in the shard group).  Shard rank k*N + i (machine k, index i) owns
+        chunk k*N + i of ``full``.  (1) Over the node group, block k' of ``full`` (the chunks of machine k''s ranks)
+        is reduce-scattered: index i receives the machine's sum of chunk k'*N + i, for every k' (``partial``, M
+        chunks).  (2) Over the column group, ``partial`` is reduce-scattered: machine k receives the sum of chunk
+        k*N + i over every machine.  Per rank, (M - 1) chunks cross machines instead of (M - 1) N: 1/N of FULL_SHARD's
+        reduction bytes.  With point-to-point (gloo) the second exchange starts when the handle is waited for."""
+        node, column, chunk = self.node, self.column, output.numel() * output.element_size()
+        self._count("reduction", node, column.size * chunk)
+        self._count("reduction", column, chunk)
+        blocks, partial = full.view(column.size, -1), output.new_empty(column.size, output.numel())
+        if self.via_p2p:
+            first = _reduce_scatter_p2p(node, list(partial), list(blocks))
+            second = lambda: _reduce_scatter_p2p(column, [output], [partial.view(-1)]).wait()  # noqa: E731
+        else:
+            works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
+                     for part, block in zip(partial, blocks)]
+            first = _Works(works if async_op else [])
+            second = lambda: _reduce_scatter_flat(output, partial.view(-1), group=column.group)  # noqa: E731
+        return _then(first, second, async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Via all-reduce: this rank's part of the reduced ``full``, copied into ``output``."""
@@ -365,6 +376,33 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
                 ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
     return _Works(dist.batch_isend_irecv(ops))
+
+
+def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> _Works:
+    """Reduce-scatters of each ``fulls[j]`` into ``outputs[j]`` over ``members``, as one batch of sends of every
+    peer's chunk and receives of theirs copies of ours; ``wait()`` sums them into the outputs (in rank order, so every
+    rank adds in the same order)."""
+    peers = [r for r in range(members.size) if r != members.rank]
+    ops, sums = [], []
+    for output, full in zip(outputs, fulls):
+        chunks = full.chunk(members.size)
+        received = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
+        for i, peer in enumerate(peers):
+            ops.append(dist.P2POp(dist.isend, chunks[peer], group=members.group, group_peer=peer, tag=2))
+            ops.append(dist.P2POp(dist.irecv, received[i], group=members.group, group_peer=peer, tag=2))
+        parts = [chunks[r] if r == members.rank else received[peers.index(r)] for r in range(members.size)]
+        sums.append((output, parts))
+
+    def sum_into_outputs() -> None:
+        for output, parts in sums:
+            if len(parts) == 1:
+                output.copy_(parts[0])
+                continue
+            torch.add(parts[0], parts[1], out=output)  # one pass: the first part is not copied before the adds
+            for part in parts[2:]:
+                output.add_(part)
+
+    return _Works(dist.batch_isend_irecv(ops) if ops else [], then=sum_into_outputs)
 
 
 def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],

@@ -113,8 +113,9 @@ class FlatShardOptions:
         "unset, one machine)", env="FLATSHARD_RANKS_PER_NODE")
     node_local_backward_gather: bool = _setting(
         False, "hpZ (ZeRO++): after a unit's forward each rank keeps 1/`ranks_per_node` of its parameters, so the "
-        "backward all-gather runs inside the machine (docs/communication.md); costs that much memory per unit until "
-        "its backward", env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER")
+        "backward all-gather runs inside the machine, and gradients are summed inside the machine before 1/N of them "
+        "crosses (docs/communication.md); costs that much memory per unit until its backward",
+        env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER")
     # ---- generation and frozen models (generation.py)
     generation_mode: str = _setting(
         "budget", "units kept gathered during `generate()`: `budget` keeps as many as `generation_budget_mb` allows "
