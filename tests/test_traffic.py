@@ -141,6 +141,17 @@ def test_node_local_reduction_through_gloos_collectives_trains_like_ddp():
         assert step[("reduction", "inter")] > 0 and step[("backward gather", "inter")] == 0
 
 
+def test_node_local_reduction_under_hybrid_sharding_trains_like_ddp():
+    """Hybrid sharding over 2 shard groups of 2 machines x 2 ranks (W=8): each shard group reduces in two stages,
+    then the replicas all-reduce; losses equal DDP's, and half the shard group's reduction crosses machines."""
+    settings = {"group_size": 4, "node_local_backward_gather": True}
+    for (ddp, losses, step, node) in spawn(8, _cross_machine_bytes, "llama", settings):
+        assert node and max(abs(a - b) for a, b in zip(losses, ddp)) <= 1e-6
+        assert step[("backward gather", "inter")] == 0
+        assert step[("reduction", "inter")] * 2 == step[("reduction", "intra")]  # (1 chunk across, 2 inside)
+        assert step[("replica all-reduce", "inter")] > 0
+
+
 def _hybrid_hpz(rank, world_size):
     """Hybrid sharding over machines of one rank (ranks_per_node=1): shard groups of 2 span two machines, the
     secondary slice is the whole unit, the backward gather a local copy; losses against DDP's."""
