@@ -141,10 +141,9 @@ class ShardGroup:
             self.shard_size = shard_size
             timeout = datetime.timedelta(seconds=options.timeout_s)
             self.shard_group = _subgroup_containing(
-                self.world_rank, [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)],
-                timeout)
+                [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)], timeout)
             self.replica_group = _subgroup_containing(
-                self.world_rank, [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
+                [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
         self.shard_rank = dist.get_rank(self.shard_group)
         self.ranks_per_node = options.ranks_per_node or self.world_size  # (None: every rank on one machine)
         self.shard = self._members(self.shard_group)
@@ -158,7 +157,6 @@ class ShardGroup:
         self.via_p2p = p2p if p2p is not None else (self.uses_gloo and not self.uses_nccl)
         self.reduce_scatter_via_all_reduce = options.reduce_scatter_via_all_reduce and not self.via_p2p
         self.bytes_gathered = self.bytes_reduced = 0  # counters for tests and the profiler
-        self.all_gathers = 0  # all-gather collectives issued (one per unit and pass)
         # bytes this rank sent, by (kind, "intra" | "inter" machine), counted as the point-to-point exchange sends
         self.sent: "collections.Counter[tuple]" = collections.Counter()
         self.device: Optional[torch.device] = None  # the model's device (bind_device)
@@ -186,8 +184,7 @@ class ShardGroup:
         blocks = [list(range(s + k * n, s + (k + 1) * n)) for s in range(0, self.world_size, g)
                   for k in range(machines)]
         columns = [[s + k * n + i for k in range(machines)] for s in range(0, self.world_size, g) for i in range(n)]
-        node = _subgroup_containing(self.world_rank, blocks, timeout)
-        column = _subgroup_containing(self.world_rank, columns, timeout)
+        node, column = _subgroup_containing(blocks, timeout), _subgroup_containing(columns, timeout)
         return Members(node, n, dist.get_rank(node), n - 1), Members(column, machines, dist.get_rank(column), 0)
 
     def _count(self, kind: str, members: Members, per_peer: int) -> None:
@@ -221,7 +218,6 @@ class ShardGroup:
         members = self.node if in_node else self.shard
         sizes = [s.numel() * s.element_size() for s in shards]
         self.bytes_gathered += sum(sizes)
-        self.all_gathers += 1
         self._count(kind, members, sum(sizes))
         if members.size == 1 and not self.collectives_at_one_rank:
             for output, shard in zip(outputs, shards):
@@ -436,8 +432,8 @@ def _waited(work: "_Works", async_op: bool) -> "_Works":
     return work
 
 
-def _subgroup_containing(rank: int, rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """Create one group per rank list (collective) and return the one holding ``rank``; the timeout
+def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create one group per rank list (collective) and return the one holding this rank; the timeout
     (``timeout_s``) makes a dead peer raise in the others instead of hanging them."""
     return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 

@@ -248,10 +248,6 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds in parameter shards and sharded gradients."""
         return sum(f.numel_bytes() for f in self.flat_params)
 
-    def ensure_idle(self, what: str) -> None:
-        """For code that reads or writes shards outside the step (checkpointing): see ``Schedule.ensure_idle``."""
-        self.schedule.ensure_idle(what)
-
     def extra_repr(self) -> str:
         g = self.shard_group
         return f"units={len(self.units)}, shard_size={g.shard_size}, replicas={g.world_size // g.shard_size}"

@@ -40,6 +40,7 @@ import torch.nn as nn
 from . import comm
 from ._compat import step_without_hooks
 from .comm import ShardGroup
+from .engine import _wait
 from .profiler import span
 from .schedule import schedule_of
 
@@ -375,12 +376,3 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A stand-in's data between steps: no storage (made anew: one kept across calls could be a fake tensor of the
     planner's run that has ended)."""
     return torch.empty(0, dtype=dtype, device=device)
-
-
-def _wait(handle: Any, what: str, group: ShardGroup) -> None:
-    """Wait for an exchange (the host on gloo, the compute stream on CUDA); a failure says which one."""
-    try:
-        handle.wait()
-    except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise RuntimeError(f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} (shard "
-                           f"group size {group.shard_size}); a peer probably died. Original error: {exc}") from exc

@@ -64,7 +64,6 @@ from ._compat import is_fake
 
 QMAX = 127  # symmetric int8 code: -127..127
 SCALE_DTYPE = torch.float32
-SCALE_BYTES = 4
 # what the bound holds for: float32, and the 16-bit types it holds exactly (float64 would lose bits in the scale)
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,7 +77,7 @@ def shard_blocks(shard_numel: int, block: int) -> int:
 def wire_bytes(numel: int, block: int) -> int:
     """Bytes of ``numel`` elements quantized in blocks of ``block``: int8 data plus one float32 scale a block.
     What one rank sends to each peer in a quantized all-gather of a ``numel``-element shard."""
-    return numel + SCALE_BYTES * shard_blocks(numel, block)
+    return numel + SCALE_DTYPE.itemsize * shard_blocks(numel, block)
 
 
 def reduction_wire_bytes(shard_numel: int, world_size: int, block: int) -> int:

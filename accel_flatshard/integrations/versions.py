@@ -9,13 +9,10 @@ pins).  Below the window is an error (package, version and pip command); above i
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-
-logger = logging.getLogger(__name__)
 
 # package -> (oldest tested, newest tested)
 SUPPORTED: Dict[str, Tuple[str, str]] = {
