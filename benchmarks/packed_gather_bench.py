@@ -19,29 +19,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _gather_per_flat(outputs, shards, rank, world):
+def _exchange(pairs, rank, world):
+    """One point-to-point batch: each (send, slots) pair sends ``send`` to every peer and receives into its slot."""
     ops = []
-    for out, shard in zip(outputs, shards):
-        slots = out.chunk(world)
-        slots[rank].copy_(shard)
+    for send, slots in pairs:
+        slots[rank].copy_(send)
         for peer in range(world):
             if peer != rank:
-                ops += [dist.P2POp(dist.isend, shard, peer=peer, tag=1),
+                ops += [dist.P2POp(dist.isend, send, peer=peer, tag=1),
                         dist.P2POp(dist.irecv, slots[peer], peer=peer, tag=1)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
 
 
+def _gather_per_flat(outputs, shards, rank, world):
+    _exchange([(shard, out.chunk(world)) for out, shard in zip(outputs, shards)], rank, world)
+
+
 def _gather_packed(outputs, shards, rank, world, gathered):
-    send = torch.cat(shards)
-    gathered[rank].copy_(send)
-    ops = []
-    for peer in range(world):
-        if peer != rank:
-            ops += [dist.P2POp(dist.isend, send, peer=peer, tag=1),
-                    dist.P2POp(dist.irecv, gathered[peer], peer=peer, tag=1)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    _exchange([(torch.cat(shards), gathered)], rank, world)
     start = 0
     for out, shard in zip(outputs, shards):
         out.view(world, -1).copy_(gathered[:, start:start + shard.numel()])
