@@ -270,6 +270,12 @@ def _apply_hook_or_key(patch: Patch, applied: List[str]) -> None:
     applied.append(patch.target)
 
 
+def _imports_in_progress() -> bool:
+    """Whether some module's import is still running (its ``__spec__._initializing``): this call is inside it."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for module in list(sys.modules.values()))
+
+
 def _apply(patch: Patch, applied: List[str]) -> None:
     if _predates(patch):
         return
@@ -283,6 +289,11 @@ def _apply(patch: Patch, applied: List[str]) -> None:
         try:
             owner = importlib.import_module(patch.owner)
         except ImportError as exc:
+            if patch.optional_owner and _imports_in_progress():
+                # Registered from inside an import (accel_flatshard_autoload runs while accelerate's __init__ is
+                # still loading): the owner's own imports meet that half-loaded module.  Not missing, not yet
+                # importable: install() runs again from each Accelerator, which reports it if it still fails.
+                return
             _report_missing(patch, f"{patch.owner}.{patch.attribute}", f"module {patch.owner} not importable: {exc}")
             return
     try:

@@ -85,6 +85,25 @@ def test_a_script_that_imports_an_accel_flatshard_module_before_accelerate_regis
     assert proc.stdout.split() == ["accelerate.accelerator", "accel_flatshard.integrations.accelerate"], proc.stdout
 
 
+def test_a_script_that_imports_transformers_first_registers_without_a_warning_and_patches_the_trainer_later():
+    """``make example``'s import order (transformers, then accelerate): the autoload registers while accelerate's
+    ``__init__`` is still loading, when ``transformers.trainer`` cannot import yet.  Its patches are not missing: no
+    "cannot patch" warning then, and the next ``install()`` (each Accelerator's) applies them."""
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}
+    script = ("import transformers, accelerate\n"
+              "print(accelerate.Accelerator.__module__)\n"
+              "from accel_flatshard import patches\n"
+              "import transformers.trainer as t\n"
+              "print(getattr(t.Trainer._save_checkpoint, patches._MARK, None))\n"
+              "patches.install()\n"
+              "print(getattr(t.Trainer._save_checkpoint, patches._MARK, None))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot patch" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["accel_flatshard.integrations.accelerate", "None", "trainer_checkpoint_commit"]
+
+
 @pytest.mark.parametrize("name", _yamls())
 def test_yaml_launched_without_the_runner_trains_sharded_with_accel_flatshard(name, tmp_path):
     config = yaml.safe_load((CONFIGS / name).read_text())
