@@ -105,7 +105,7 @@ def _let_gloo_finish_at_exit() -> None:
 class ShardGroup:
     """The shard group and optional replica group of one wrapped model.
 
-    ``options.group_size`` None (or the world size) shards over every rank of ``process_group``; G builds W/G shard
+    ``options.fsdp_group_size`` None (or the world size) shards over every rank of ``process_group``; G builds W/G shard
     groups of G consecutive ranks and G replica groups joining rank ``i`` of each (HYBRID_SHARD).  ``shard_size`` is
     the shard group's size.  The collective settings are ``options``' ``gloo_p2p``, ``reduce_scatter_via_all_reduce``
     and ``timeout_s``.  Machines are blocks of ``ranks_per_node`` consecutive ranks: ``sent`` counts the bytes this
@@ -117,7 +117,7 @@ class ShardGroup:
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  options: Optional[FlatShardOptions] = None) -> None:
         options = options or FlatShardOptions.from_environment()
-        shard_size = options.group_size
+        shard_size = options.fsdp_group_size
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("accel_flatshard needs torch.distributed to be initialised: call "
                                "torch.distributed.init_process_group(...) (or use accelerate launch / torchrun) first")
@@ -133,11 +133,13 @@ class ShardGroup:
         else:
             if shard_size < 1 or self.world_size % shard_size != 0:
                 raise ValueError(
-                    f"group_size={shard_size} must divide the world size {self.world_size}; "
+                    f"fsdp_group_size={shard_size} must divide the world size {self.world_size}; "
                     f"choose one of {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
                 )
-            if self.world_group is not dist.group.WORLD:
-                raise ValueError("hybrid sharding (group_size) needs the default process group")
+            if not _spans_the_world(self.world_group):  # (the subgroups below are made of global ranks)
+                raise ValueError(f"hybrid sharding (fsdp_group_size={shard_size}) over a process_group needs that "
+                                 "group to hold every rank, in rank order (e.g. dist.new_group(range(world_size))); "
+                                 "pass process_group=None to shard over the default group")
             self.shard_size = shard_size
             timeout = datetime.timedelta(seconds=options.timeout_s)
             self.shard_group = _subgroup_containing(
@@ -430,6 +432,12 @@ def _waited(work: "_Works", async_op: bool) -> "_Works":
     if not async_op:
         work.wait()
     return work
+
+
+def _spans_the_world(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is the default group or one holding every rank in rank order (as haiscale's examples
+    build it), so that its rank i is global rank i."""
+    return group is dist.group.WORLD or dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
 
 
 def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:

@@ -31,6 +31,7 @@ ParamInitFn = Callable[[nn.Module], None]
 logger = logging.getLogger(__name__)
 
 _UNIT_ATTR = "_flatshard_unit"
+_UNSET = object()  # backward_prefetch not given (None means no prefetch)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -41,6 +42,9 @@ class FullyShardedDataParallel(nn.Module):
         process_group: ranks to shard over (default: the world).
         auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel)`` choosing the inner units, e.g.
             :func:`transformer_auto_wrap_policy`; torch's policies work too.  ``None``: one unit (the root).
+        reshard_after_forward, backward_prefetch, forward_prefetch, fsdp_group_size: haiscale's arguments, in its
+            order (code written for its wrapper runs unchanged): settings of :class:`FlatShardOptions` like the
+            keywords below; not given, the option's default (or its ``FLATSHARD_*`` variable) holds.
         param_init_fn: ``fn(module)`` materialising one meta-device module's own tensors, unit by unit
             (default: ``to_empty`` + ``reset_parameters``).
         device_id: the device to shard onto.  Default: the module's device; with nccl and a CPU or meta
@@ -51,8 +55,8 @@ class FullyShardedDataParallel(nn.Module):
         **settings: any of its fields, overriding ``options``: ``reshard_after_forward`` (free gathered parameters
             after each unit's forward; False keeps them until backward, ZeRO-2 like), ``backward_prefetch``
             (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch``
-            (default True: with BACKWARD_PRE the fastest exact schedule measured, docs/performance.md), ``group_size``
-            (hybrid: shard inside groups of this many ranks, all-reduce across groups), ``mixed_precision`` (a
+            (default True: with BACKWARD_PRE the fastest exact schedule measured, docs/performance.md),
+            ``fsdp_group_size`` (hybrid: shard inside groups of this many ranks, all-reduce across groups), ``mixed_precision`` (a
             :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's parameters and buffers, unit by
             unit: other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA
             also freed gathered buffers the GPU still reads), ``offload_params`` (shards, sharded gradients and
@@ -74,6 +78,11 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         process_group=None,
         auto_wrap_policy: Optional[Policy] = None,
+        reshard_after_forward: Optional[bool] = None,
+        backward_prefetch: Any = _UNSET,
+        forward_prefetch: Optional[bool] = None,
+        fsdp_group_size: Optional[int] = None,
+        *,
         param_init_fn: Optional[ParamInitFn] = None,
         device_id: Optional[Union[int, torch.device]] = None,
         cpu_offload: Any = None,
@@ -85,6 +94,12 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
         check_not_wrapped(module)
         environment.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
+        # the seed's (haiscale's) positional arguments: given ones are settings like any other keyword
+        seed_args = {"reshard_after_forward": reshard_after_forward, "forward_prefetch": forward_prefetch,
+                     "fsdp_group_size": fsdp_group_size}
+        settings.update({k: v for k, v in seed_args.items() if v is not None})
+        if backward_prefetch is not _UNSET:  # (None is a value here: no backward prefetch)
+            settings["backward_prefetch"] = backward_prefetch
         if cpu_offload is not None:
             settings.setdefault("offload_params", wants_offload(cpu_offload))
         if options is None:

@@ -61,13 +61,13 @@ class FlatShardOptions:
     reshard_after_forward: bool = _setting(
         True, "free gathered parameters after each unit's forward (ZeRO-3); False keeps them until backward",
         yaml="fsdp_sharding_strategy (FULL_SHARD / SHARD_GRAD_OP; fsdp_version 2: fsdp_reshard_after_forward)")
-    group_size: Optional[int] = _setting(
+    fsdp_group_size: Optional[int] = _setting(
         None, "ranks per shard group: hybrid sharding, gradients all-reduced across groups (None: every rank); under "
         "Accelerate with `fsdp_sharding_strategy` HYBRID_SHARD / _HYBRID_SHARD_ZERO2 only (an error with any other "
         "strategy); with an accelerate `parallelism_config`, whose `dp_shard_size` sets the groups, it may only "
         "repeat that size",
         yaml="fsdp_sharding_strategy HYBRID_SHARD (LOCAL_WORLD_SIZE), parallelism_config_dp_shard_size",
-        env="FLATSHARD_GROUP_SIZE")
+        env="FLATSHARD_FSDP_GROUP_SIZE")
     backward_prefetch: Optional[BackwardPrefetch] = _setting(
         BackwardPrefetch.BACKWARD_PRE, "when the unit next in backward starts gathering (None: not early)",
         yaml="fsdp_backward_prefetch")
@@ -147,8 +147,8 @@ class FlatShardOptions:
             object.__setattr__(self, "layer_cls_names", tuple(self.layer_cls_names))
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be None or a BackwardPrefetch, got {self.backward_prefetch!r}")
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-            raise ValueError(f"group_size must be None or a positive integer, got {self.group_size!r}")
+        if self.fsdp_group_size is not None and (not isinstance(self.fsdp_group_size, int) or self.fsdp_group_size < 1):
+            raise ValueError(f"fsdp_group_size must be None or a positive integer, got {self.fsdp_group_size!r}")
         if not isinstance(self.quant_block, int) or self.quant_block < 1:
             raise ValueError(f"quant_block must be a positive integer, got {self.quant_block!r}")
         if not isinstance(self.limit_all_gathers, int) or self.limit_all_gathers < 1:
@@ -226,8 +226,8 @@ _FIELD_DOCS = {f.name: f.metadata["doc"] for f in dataclasses.fields(FlatShardOp
 
 
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
-    Option("FLATSHARD_GROUP_SIZE", "int > 0", None, "processes per node (`LOCAL_WORLD_SIZE`)", _positive_int,
-           "group_size"),
+    Option("FLATSHARD_FSDP_GROUP_SIZE", "int > 0", None, "processes per node (`LOCAL_WORLD_SIZE`)", _positive_int,
+           "fsdp_group_size"),
     Option("FLATSHARD_LIMIT_ALL_GATHERS", "int > 0", None, "2", _positive_int, "limit_all_gathers"),
     Option("FLATSHARD_REDUCE_DTYPE", "fp32 | bf16 | fp16", None, "the mixed-precision dtype",
            _parser(lambda text: DTYPES[text.lower()], "expected one of fp32, bf16, fp16"), own_doc="Accelerator: "

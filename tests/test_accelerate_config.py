@@ -56,22 +56,22 @@ def _unit_names(model: nn.Module, policy) -> list:
 
 def test_sharding_strategies(fsdp_env):
     o = fsdp_env(fsdp_sharding_strategy="FULL_SHARD")
-    assert (o.reshard_after_forward, o.group_size) == (True, None)
+    assert (o.reshard_after_forward, o.fsdp_group_size) == (True, None)
     o = fsdp_env(fsdp_sharding_strategy="SHARD_GRAD_OP")
-    assert (o.reshard_after_forward, o.group_size) == (False, None)
+    assert (o.reshard_after_forward, o.fsdp_group_size) == (False, None)
     o = fsdp_env(fsdp_sharding_strategy="HYBRID_SHARD", env={"LOCAL_WORLD_SIZE": "4"})
-    assert (o.reshard_after_forward, o.group_size) == (True, 4)  # default: processes per node
-    o = fsdp_env(fsdp_sharding_strategy="_HYBRID_SHARD_ZERO2", env={"FLATSHARD_GROUP_SIZE": "2"})
-    assert (o.reshard_after_forward, o.group_size) == (False, 2)
+    assert (o.reshard_after_forward, o.fsdp_group_size) == (True, 4)  # default: processes per node
+    o = fsdp_env(fsdp_sharding_strategy="_HYBRID_SHARD_ZERO2", env={"FLATSHARD_FSDP_GROUP_SIZE": "2"})
+    assert (o.reshard_after_forward, o.fsdp_group_size) == (False, 2)
     o = fsdp_env(fsdp_sharding_strategy="NO_SHARD", env={})
-    assert o.group_size == 1
+    assert o.fsdp_group_size == 1
 
 
 def test_group_size_without_hybrid_is_an_error(fsdp_env):
-    with pytest.raises(ValueError, match="FLATSHARD_GROUP_SIZE=2 is set but fsdp_sharding_strategy is FULL_SHARD"):
-        fsdp_env(fsdp_sharding_strategy="FULL_SHARD", env={"FLATSHARD_GROUP_SIZE": "2"})
+    with pytest.raises(ValueError, match="FLATSHARD_FSDP_GROUP_SIZE=2 is set but fsdp_sharding_strategy is FULL_SHARD"):
+        fsdp_env(fsdp_sharding_strategy="FULL_SHARD", env={"FLATSHARD_FSDP_GROUP_SIZE": "2"})
     with pytest.raises(ValueError, match="positive integer"):
-        fsdp_env(fsdp_sharding_strategy="HYBRID_SHARD", env={"FLATSHARD_GROUP_SIZE": "two"})
+        fsdp_env(fsdp_sharding_strategy="HYBRID_SHARD", env={"FLATSHARD_FSDP_GROUP_SIZE": "two"})
 
 
 def test_prefetch_and_state_dict_type(fsdp_env):
@@ -141,7 +141,7 @@ def test_unknown_fsdp_version_and_unknown_env(fsdp_env, monkeypatch):
         fsdp_env(fsdp_version=3)
     monkeypatch.setenv("FSDP_VERSION", "1")
     monkeypatch.setenv("FLATSHARD_GRUOP_SIZE", "2")
-    with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_GROUP_SIZE"):
+    with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_FSDP_GROUP_SIZE"):
         check_environment()
     # the Accelerator checks before touching any accelerate state
     from accel_flatshard.integrations.accelerate import Accelerator
@@ -179,7 +179,7 @@ def test_yaml_configs_load_and_map(fsdp_env):
         assert raw["fsdp_version"] == 1 and raw["fsdp_sharding_strategy"] == strategy
         keys = {k: v for k, v in raw.items() if k not in ("fsdp_use_orig_params",)}
         o = fsdp_env("bf16" if name.startswith("gpu") else "no", env={"LOCAL_WORLD_SIZE": "8"}, **keys)
-        assert o.group_size == group and o.auto_wrap == "transformer"
+        assert o.fsdp_group_size == group and o.auto_wrap == "transformer"
 
 
 def test_node_local_backward_gather_is_turned_on_by_its_variable_under_accelerate(fsdp_env):

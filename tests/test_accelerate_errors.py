@@ -22,7 +22,7 @@ def checks(tmp_path_factory):
 def test_clear_errors(checks):
     assert "fsdp_version 3" in checks["fsdp_version_3"] and "1 and 2" in checks["fsdp_version_3"]
     # a misspelt FLATSHARD_* variable lists the known names
-    assert "FLATSHARD_GROUPSIZE" in checks["unknown_env"] and "FLATSHARD_GROUP_SIZE" in checks["unknown_env"]
+    assert "FLATSHARD_GROUPSIZE" in checks["unknown_env"] and "FLATSHARD_FSDP_GROUP_SIZE" in checks["unknown_env"]
     # a layer class from the yaml that the model lacks: named, with the classes that exist
     assert "NoSuchBlock" in checks["unknown_layer_class"] and "GPT2Block" in checks["unknown_layer_class"]
     assert "DistributedDataParallel" in checks["torch_ddp"] and "plain model" in checks["torch_ddp"]

@@ -10,7 +10,7 @@ one launch checks several things; the launches are module fixtures shared by the
 * ``resume_run``: a new launch, accel_flatshard's Accelerator imported directly, optimizer built after
   ``prepare``, a different layout (SHARD_GRAD_OP, size-based units): ``load_state`` of each step-4
   checkpoint, then steps 5-8.
-* ``combo_run``: HYBRID_SHARD (FLATSHARD_GROUP_SIZE=1), activation checkpointing, forward prefetch,
+* ``combo_run``: HYBRID_SHARD (FLATSHARD_FSDP_GROUP_SIZE=1), activation checkpointing, forward prefetch,
   BACKWARD_POST, cpu_ram_efficient_loading from a local ``save_pretrained`` dir, ``prepare`` in reversed
   order, ``sync_each_batch``, automatic checkpoint naming with ``total_limit``.
 * ``offload_run`` (marked ``ci``: CI runs it, ``make test`` does not; tests/test_trainer.py launches the
@@ -151,7 +151,7 @@ def test_feature_combo_matches_ddp(work, ddp_ref):
     launch(config, PLAIN_SCRIPT,
            ["--output_json", str(out), "--model_dir", str(model_dir), "--prepare_style", "reversed",
             "--sync_each_batch", "--auto_ckpt_dir", str(work / "auto")],
-           via_run=True, env={"FLATSHARD_GROUP_SIZE": "1"})
+           via_run=True, env={"FLATSHARD_FSDP_GROUP_SIZE": "1"})
     result = read_json(out)
     assert result["distributed_type"] == "DistributedType.FSDP"
     assert result["links"] == ddp_ref["links"]  # prepare(scheduler, eval_dl, train_dl, optimizer, model)

@@ -31,7 +31,7 @@ def _ddp(work: Path, model: str) -> dict:
 
 VARIANTS = {
     "shard_grad_op": (dict(fsdp_sharding_strategy="SHARD_GRAD_OP"), {}, []),
-    "hybrid_group_1": (dict(fsdp_sharding_strategy="HYBRID_SHARD"), {"FLATSHARD_GROUP_SIZE": "1"}, []),
+    "hybrid_group_1": (dict(fsdp_sharding_strategy="HYBRID_SHARD"), {"FLATSHARD_FSDP_GROUP_SIZE": "1"}, []),
     "no_shard": (dict(fsdp_sharding_strategy="NO_SHARD"), {}, []),
     "size_based": (dict(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=2000), {}, []),
     "no_wrap_prefetch": (dict(fsdp_auto_wrap_policy="NO_WRAP", fsdp_forward_prefetch=True,

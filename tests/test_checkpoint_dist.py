@@ -155,7 +155,7 @@ def first_run(rank, ws, root, which=("gpt2", "llama"), llama_group=1):
         out["logits"] = logits if rank == 0 else None
         out["gpt2_l2"] = _train(m, opt, data[STEPS:], rank, ws)
     if "llama" in which:
-        m = _wrap(models.llama(), group_size=llama_group)  # hybrid: llama_group ranks per shard group
+        m = _wrap(models.llama(), fsdp_group_size=llama_group)  # hybrid: llama_group ranks per shard group
         opt = _sgd(m)
         out["llama_l1"] = _train(m, opt, data[:STEPS], rank, ws)
         summoned, sd, osd = models.full_params(m), full_state_dict(m), full_optim_state_dict(m, opt)
@@ -185,7 +185,7 @@ def resume(rank, ws, root, sd=None, osd=None, which=("gpt2", "llama"), llama_gro
             load_full_optim_state_dict(m, opt, osd if rank == 0 else None)
             out["gpt2_full"] = _train(m, opt, data, rank, ws)
     if "llama" in which:
-        m = _wrap(models.llama(seed=5), group_size=llama_group)
+        m = _wrap(models.llama(seed=5), fsdp_group_size=llama_group)
         opt = _sgd(m)
         load_sharded_model(m, f"{root}/llama/model")
         load_sharded_optimizer(m, opt, f"{root}/llama/optim")

@@ -24,7 +24,7 @@ def _expect(fn):
 
 def _errors_worker(rank, world_size):
     errors = {}
-    errors["group_size"] = _expect(lambda: FullyShardedDataParallel(Toy(), group_size=3))
+    errors["fsdp_group_size"] = _expect(lambda: FullyShardedDataParallel(Toy(), fsdp_group_size=3))
     errors["no_block"] = _expect(lambda: transformer_auto_wrap_policy(gpt2(), ["LlamaDecoderLayer"]))
     wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
     errors["ours_twice"] = _expect(lambda: FullyShardedDataParallel(wrapped.module))
@@ -43,7 +43,7 @@ def _errors_worker(rank, world_size):
 
 def test_bad_input_errors_name_the_culprit():
     errors = spawn(2, _errors_worker)[0]
-    assert "group_size=3" in errors["group_size"] and "divide the world size 2" in errors["group_size"]
+    assert "fsdp_group_size=3" in errors["fsdp_group_size"] and "divide the world size 2" in errors["fsdp_group_size"]
     assert "LlamaDecoderLayer" in errors["no_block"] and "GPT2Block" in errors["no_block"]
     assert "already wrapped by accel_flatshard" in errors["ours_twice"]
     assert "DistributedDataParallel" in errors["ddp"]

@@ -68,16 +68,16 @@ def _step(model, optimizers, x, rank, world, backward=None):
     return models.global_mean(loss, world)
 
 
-def _fsdp_env(state_dict_type="SHARDED_STATE_DICT", group_size=None):
+def _fsdp_env(state_dict_type="SHARDED_STATE_DICT", fsdp_group_size=None):
     """What ``accelerate launch`` exports for the README yaml (its FSDP keys), in this rank."""
     for k in [k for k in os.environ if k.startswith(("FSDP_", "FLATSHARD_", "ACCELERATE_"))]:
         del os.environ[k]
     os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
                       FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer", FSDP_SYNC_MODULE_STATES="true",
                       FSDP_STATE_DICT_TYPE=state_dict_type,
-                      FSDP_SHARDING_STRATEGY="HYBRID_SHARD" if group_size else "FULL_SHARD")
-    if group_size:
-        os.environ["FLATSHARD_GROUP_SIZE"] = str(group_size)
+                      FSDP_SHARDING_STRATEGY="HYBRID_SHARD" if fsdp_group_size else "FULL_SHARD")
+    if fsdp_group_size:
+        os.environ["FLATSHARD_FSDP_GROUP_SIZE"] = str(fsdp_group_size)
 
 
 def _references(rank, world, recipe):
@@ -97,11 +97,11 @@ def _references(rank, world, recipe):
     return single, (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def _parity_and_resume(rank, world, root, state_dict_type="SHARDED_STATE_DICT", group_size=None, recipe="docs"):
+def _parity_and_resume(rank, world, root, state_dict_type="SHARDED_STATE_DICT", fsdp_group_size=None, recipe="docs"):
     """DDP / one process, then ours through ``accelerator.prepare``: losses, parameters, the held Muon state, the
     bytes gathered during the optimizer steps, and the losses of steps 6-10 again after ``load_state``."""
     single, ddp = _references(rank, world, recipe)
-    _fsdp_env(state_dict_type, group_size)
+    _fsdp_env(state_dict_type, fsdp_group_size)
     from accel_flatshard.integrations.accelerate import Accelerator
     from accel_flatshard.matrix_optim import owner_computes_of
 
@@ -300,15 +300,15 @@ def test_optimizer_state_dicts_convert_and_a_sharded_checkpoint_resumes_at_anoth
 
 # ---------------------------------------------------------------------- ci: W=4, hybrid 2x2, FULL, the Trainer
 @pytest.mark.ci
-@pytest.mark.parametrize("world,group_size,state_dict_type", [(4, None, "SHARDED_STATE_DICT"),
+@pytest.mark.parametrize("world,fsdp_group_size,state_dict_type", [(4, None, "SHARDED_STATE_DICT"),
                                                                (4, 2, "FULL_STATE_DICT"),
                                                                (2, None, "FULL_STATE_DICT")],
                          ids=["w4", "hybrid-2x2-full", "w2-full"])
-def test_muon_equals_ddp_and_resumes(tmp_path, world, group_size, state_dict_type):
+def test_muon_equals_ddp_and_resumes(tmp_path, world, fsdp_group_size, state_dict_type):
     recipe = "docs" if world == 2 else "adamw_matched"
-    results = spawn(world, _parity_and_resume, str(tmp_path), state_dict_type, group_size, recipe, timeout_s=600)
+    results = spawn(world, _parity_and_resume, str(tmp_path), state_dict_type, fsdp_group_size, recipe, timeout_s=600)
     dloss, dparam, ddp_vs_single = _check_parity(results, world)
-    print(f"W={world} G={group_size}: max |dloss| vs DDP {dloss:.2e}, max |dparam| {dparam:.2e} "
+    print(f"W={world} G={fsdp_group_size}: max |dloss| vs DDP {dloss:.2e}, max |dparam| {dparam:.2e} "
           f"(DDP vs one process {ddp_vs_single:.2e})")
 
 

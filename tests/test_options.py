@@ -56,7 +56,7 @@ def test_bad_value_fails_on_the_plain_wrapper(world_of_one, monkeypatch, name, v
 
 def test_unknown_name_fails_on_the_plain_wrapper(world_of_one, monkeypatch):
     monkeypatch.setenv("FLATSHARD_GRUOP_SIZE", "2")
-    with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_GROUP_SIZE"):
+    with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_FSDP_GROUP_SIZE"):
         FullyShardedDataParallel(nn.Linear(4, 4))
     monkeypatch.delenv("FLATSHARD_GRUOP_SIZE")
     model = FullyShardedDataParallel(nn.Linear(4, 4))  # and without it the same call works
@@ -69,7 +69,7 @@ def test_unknown_name_fails_on_the_plain_wrapper(world_of_one, monkeypatch):
 # except where torch FSDP's spelling is accepted too; "-" where the Accelerator owns it.
 SETTINGS = {
     "reshard_after_forward": ("fsdp_sharding_strategy", None, "reshard_after_forward", ["fully_sharded.py"]),
-    "group_size": ("fsdp_sharding_strategy", "FLATSHARD_GROUP_SIZE", "group_size", ["comm.py"]),
+    "fsdp_group_size": ("fsdp_sharding_strategy", "FLATSHARD_FSDP_GROUP_SIZE", "fsdp_group_size", ["comm.py"]),
     "backward_prefetch": ("fsdp_backward_prefetch", None, "backward_prefetch", ["schedule.py"]),
     "forward_prefetch": ("fsdp_forward_prefetch", None, "forward_prefetch", ["schedule.py"]),
     "limit_all_gathers": (None, "FLATSHARD_LIMIT_ALL_GATHERS", "limit_all_gathers", ["engine.py"]),

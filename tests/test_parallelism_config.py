@@ -9,7 +9,7 @@ Default suite (cheap):
 * (marked ``ci``: CI runs it, ``make test`` does not) one real launch with ``parallelism_config_tp_size: 2``
   in the yaml: it fails within seconds, naming it (the refusal itself is the in-process case above).
 * 4 spawned gloo ranks, five Accelerators in turn: 2 x 2 (FSDP2 keys, sizes in code) has the groups of
-  HYBRID_SHARD with FLATSHARD_GROUP_SIZE=2 (fsdp_version 1) and of accelerate's mesh; accelerate reports the
+  HYBRID_SHARD with FLATSHARD_FSDP_GROUP_SIZE=2 (fsdp_version 1) and of accelerate's mesh; accelerate reports the
   layout (``parallelism_config``, ``torch_device_mesh``; the data split is DDP's); a plain loop with
   accumulation and clipping equals one process on the same global batch; SHARDED ``save_state`` holds one
   shard per shard-group rank; resumed at 1 x 4 (fsdp_version 1, sizes from PARALLELISM_CONFIG_* as the
@@ -143,21 +143,21 @@ def test_sizes_from_the_shipped_yaml_and_flags_become_shard_groups(clean_env):
         pc = cfg.requested_parallelism_config({})
         assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (replicate, shard, 1, 1)
         opts = _options(clean_env, env, pc)
-        assert (opts.group_size, opts.reshard_after_forward) == (shard, True)
-    # HYBRID_SHARD with FLATSHARD_GROUP_SIZE=2 (fsdp_version 1) asks for the same groups
-    hybrid = _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_GROUP_SIZE="2"))
-    assert hybrid.group_size == 2 and hybrid.reshard_after_forward
+        assert (opts.fsdp_group_size, opts.reshard_after_forward) == (shard, True)
+    # HYBRID_SHARD with FLATSHARD_FSDP_GROUP_SIZE=2 (fsdp_version 1) asks for the same groups
+    hybrid = _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_FSDP_GROUP_SIZE="2"))
+    assert hybrid.fsdp_group_size == 2 and hybrid.reshard_after_forward
 
 
 def test_contradicting_layouts_are_named(clean_env):
     pc = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
-    with pytest.raises(ValueError, match="FLATSHARD_GROUP_SIZE=4 disagrees with parallelism_config_dp_shard_size=2"):
-        _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_GROUP_SIZE="4"), pc)
+    with pytest.raises(ValueError, match="FLATSHARD_FSDP_GROUP_SIZE=4 disagrees with parallelism_config_dp_shard_size=2"):
+        _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_FSDP_GROUP_SIZE="4"), pc)
     with pytest.raises(ValueError, match="NO_SHARD contradicts parallelism_config_dp_shard_size=2"):
         _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="NO_SHARD"), pc)
     # _HYBRID_SHARD_ZERO2 keeps its "no reshard after forward" with the config's groups
     zero2 = _options(clean_env, dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="_HYBRID_SHARD_ZERO2"), pc)
-    assert (zero2.group_size, zero2.reshard_after_forward) == (2, False)
+    assert (zero2.fsdp_group_size, zero2.reshard_after_forward) == (2, False)
 
 
 @pytest.mark.ci
@@ -237,7 +237,7 @@ def _groups(model) -> tuple:
 def _layouts_worker(rank: int, world: int, save_dir: str) -> dict:
     """Five Accelerators in turn on the same 4 ranks (accelerate's state reset in between)."""
     out = {}
-    hybrid = _accelerator(dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_GROUP_SIZE="2"))
+    hybrid = _accelerator(dict(FSDP1_ENV, FSDP_SHARDING_STRATEGY="HYBRID_SHARD", FLATSHARD_FSDP_GROUP_SIZE="2"))
     out["hybrid_groups"] = _groups(hybrid.prepare(Toy()))
 
     # 2 x 2 in code, fsdp_version 2: train, save_state after step 2

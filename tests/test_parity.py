@@ -26,7 +26,7 @@ SCHEDULES = [
 ]
 
 
-def _run_schedules(rank, world_size, model_name, schedules, group_size):
+def _run_schedules(rank, world_size, model_name, schedules, fsdp_group_size):
     data = batches(STEPS, batch=world_size * 2)
     ddp_model = DDP(MODELS[model_name]())
     ddp_losses = train(ddp_model, data, rank, world_size)
@@ -35,7 +35,7 @@ def _run_schedules(rank, world_size, model_name, schedules, group_size):
     for kwargs in schedules:
         model = MODELS[model_name]()
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),
-                                           group_size=group_size, **kwargs)
+                                           fsdp_group_size=fsdp_group_size, **kwargs)
         grads = first_grads(wrapped, data[0], rank, world_size)
         losses = train(wrapped, data, rank, world_size)
         results.append((kwargs, grads, losses, full_params(wrapped)))
@@ -59,9 +59,9 @@ def _grad_error(grads, ref_grads):
     return max(diffs) / scale
 
 
-def _check(model_name, world_size, schedules, group_size=None):
+def _check(model_name, world_size, schedules, fsdp_group_size=None):
     ref_losses, ref_grads = _reference(model_name, world_size)
-    ddp_losses, ddp_params, results = spawn(world_size, _run_schedules, model_name, schedules, group_size)[0]
+    ddp_losses, ddp_params, results = spawn(world_size, _run_schedules, model_name, schedules, fsdp_group_size)[0]
     assert max(abs(a - b) for a, b in zip(ddp_losses, ref_losses)) < LOSS_TOL  # the harness itself
     for kwargs, grads, losses, params in results:
         grad_err = _grad_error(grads, ref_grads)
@@ -79,7 +79,7 @@ def test_every_schedule_matches_single_process_at_w2(model_name):
 
 
 def test_hybrid_sharding_g2_at_w4_matches_single_process():
-    _check("llama", 4, [SCHEDULES[0], SCHEDULES[-1]], group_size=2)
+    _check("llama", 4, [SCHEDULES[0], SCHEDULES[-1]], fsdp_group_size=2)
 
 
 def test_w4_default_and_prefetch_schedules_match_single_process():
@@ -94,7 +94,7 @@ def test_every_schedule_matches_single_process_at_w4(model_name):
 
 @pytest.mark.slow
 def test_every_schedule_with_hybrid_sharding_at_w4():
-    _check("gpt2", 4, SCHEDULES, group_size=2)
+    _check("gpt2", 4, SCHEDULES, fsdp_group_size=2)
 
 
 def _sabotaged_run(rank, world_size, fault):

@@ -62,8 +62,8 @@ TWO_RANKS = [row("llama", 2, "SHARD_GRAD_OP", reshard_after_forward=False),
              row("llama", 2, "int8 weights and gradients", quantized_all_gather=True, quantized_reduce=True),
              row("llama", 2, "Muon + AdamW (owner computes)", optimizer="muon")] + (
     [row("qlora", 2, "QLoRA: 4-bit base, LoRA")] if importlib.util.find_spec("bitsandbytes") else [])
-FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", group_size=2),
-              row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", group_size=2, reshard_after_forward=False,
+FOUR_RANKS = [row("llama", 4, "HYBRID_SHARD group 2", fsdp_group_size=2),
+              row("gpt2", 4, "_HYBRID_SHARD_ZERO2 group 2 + AC", fsdp_group_size=2, reshard_after_forward=False,
                   activation_checkpointing=True),
               row("toy", 4, "bf16, BACKWARD_POST", BF16, forward_prefetch=False,
                   backward_prefetch=BackwardPrefetch.BACKWARD_POST),
@@ -395,7 +395,7 @@ def test_parallelism_config_flags_and_yaml_block_plan_the_hybrid_layout():
                                        "--parallelism_config_dp_replicate_size", "2",
                                        "--parallelism_config_dp_shard_size", "2"])
     assert from_yaml[-1].knobs() == from_flags[-1].knobs() and from_yaml[-1].strategy(4) == "HYBRID_SHARD"
-    assert from_yaml[-1].shard_size(4) == 2 and from_flags[0].group_size == 2
+    assert from_yaml[-1].shard_size(4) == 2 and from_flags[0].fsdp_group_size == 2
 
 
 def test_gradient_accumulation_from_the_yaml_plans_as_the_flag(tmp_path):

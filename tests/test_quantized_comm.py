@@ -80,7 +80,7 @@ def _features(rank, world_size, feature):
         if feature == "offload":
             settings["cpu_offload"] = CPUOffload(offload_params=True)
         if feature == "hybrid":
-            settings["group_size"] = 2
+            settings["fsdp_group_size"] = 2
         wrapped = _wrap(**settings)
         if feature == "activation checkpointing":
             wrapped.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -134,7 +134,7 @@ def _hybrid_worker(rank, world_size):
 
     model = llama(seed=4)
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model),  # noqa: F841
-                                       group_size=2)
+                                       fsdp_group_size=2)
     full = model.state_dict()
     return full if rank == 0 else len(full)
 

@@ -104,7 +104,7 @@ class Run:
 
 
 def wrap(variant, make=None, policy=None, **kwargs):
-    """``variant``: plain / offload / hybrid / hybrid-offload / hpz / int8 / int8-offload.  Hybrid: ``group_size=1``
+    """``variant``: plain / offload / hybrid / hybrid-offload / hpz / int8 / int8-offload.  Hybrid: ``fsdp_group_size=1``
     at W>1; in one process :func:`simulated` gives the engine two identical replicas; hpz: a node group of one rank;
     int8-offload: the master shards are host memory, copied to the device on the all-gather stream, then quantized."""
     module = (make or (lambda: llama(n_layer=2)))()
@@ -113,7 +113,7 @@ def wrap(variant, make=None, policy=None, **kwargs):
     if "int8" in variant:  # the quantized all-gather and reduction (run in one process: the int8 math on the streams)
         kwargs.update(quantized_all_gather=True, quantized_reduce=True, quant_block=64)
     return FullyShardedDataParallel(module, auto_wrap_policy=policy, cpu_offload=CPUOffload("offload" in variant),
-                                    group_size=1 if "hybrid" in variant and world > 1 else None, **kwargs)
+                                    fsdp_group_size=1 if "hybrid" in variant and world > 1 else None, **kwargs)
 
 
 def simulated(variant, sim=None, **kwargs):

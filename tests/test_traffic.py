@@ -144,7 +144,7 @@ def test_node_local_reduction_through_gloos_collectives_trains_like_ddp():
 def test_node_local_reduction_under_hybrid_sharding_trains_like_ddp():
     """Hybrid sharding over 2 shard groups of 2 machines x 2 ranks (W=8): each shard group reduces in two stages,
     then the replicas all-reduce; losses equal DDP's, and half the shard group's reduction crosses machines."""
-    settings = {"group_size": 4, "node_local_backward_gather": True}
+    settings = {"fsdp_group_size": 4, "node_local_backward_gather": True}
     for (ddp, losses, step, node) in spawn(8, _cross_machine_bytes, "llama", settings):
         assert node and max(abs(a - b) for a, b in zip(losses, ddp)) <= 1e-6
         assert step[("backward gather", "inter")] == 0
@@ -158,7 +158,7 @@ def _hybrid_hpz(rank, world_size):
     data = batches(STEPS, batch=world_size * 2)
     ddp_losses = train(DDP(llama(n_layer=3)), data, rank, world_size)
     model = llama(n_layer=3)
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), group_size=2,
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), fsdp_group_size=2,
                                        ranks_per_node=1, node_local_backward_gather=True)
     losses = train(wrapped, data, rank, world_size)
     return ddp_losses, losses, wrapped.shard_group.sent[("backward gather", "inter")]

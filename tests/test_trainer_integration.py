@@ -56,7 +56,7 @@ def test_fsdp2_config_maps_to_options_and_an_fsdp1_plugin(clean_env, reshard, st
                                                 "fsdp_cpu_ram_efficient_loading": True})
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard
     options = cfg.options_from_plugin(plugin)
-    assert options.reshard_after_forward is reshard and options.group_size is None
+    assert options.reshard_after_forward is reshard and options.fsdp_group_size is None
     assert options.backward_prefetch == BackwardPrefetch.BACKWARD_PRE  # FSDP2's implicit prefetch
     assert options.state_dict_type == "SHARDED_STATE_DICT"  # FSDP2's default
     assert options.auto_wrap == "transformer" and options.sync_module_states and options.cpu_ram_efficient_loading

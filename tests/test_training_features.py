@@ -187,8 +187,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads(model_name, how)
 
 
 # ---------------------------------------------------------------------------- clipping
-def _clip_worker(rank, world_size, group_size, norm_type):
-    wrapped = _wrap("llama", group_size=group_size)
+def _clip_worker(rank, world_size, fsdp_group_size, norm_type):
+    wrapped = _wrap("llama", fsdp_group_size=fsdp_group_size)
     x = batches(1, batch=2 * world_size)[0]
     local = x.chunk(world_size)[rank]
     wrapped(local, labels=local).loss.backward()
@@ -199,14 +199,14 @@ def _clip_worker(rank, world_size, group_size, norm_type):
     return norm.item(), params
 
 
-@pytest.mark.parametrize("world_size,group_size,norm_type", [(2, None, 2.0), (4, 2, 2.0), (2, None, float("inf"))])
-def test_clip_grad_norm_is_the_global_norm(world_size, group_size, norm_type):
+@pytest.mark.parametrize("world_size,fsdp_group_size,norm_type", [(2, None, 2.0), (4, 2, 2.0), (2, None, float("inf"))])
+def test_clip_grad_norm_is_the_global_norm(world_size, fsdp_group_size, norm_type):
     ref = MODELS["llama"]()
     x = batches(1, batch=2 * world_size)[0]
     ref(x, labels=x).loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type).item()
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
     ref_params = ref.state_dict()
-    for norm, params in spawn(world_size, _clip_worker, group_size, norm_type):
+    for norm, params in spawn(world_size, _clip_worker, fsdp_group_size, norm_type):
         assert abs(norm - ref_norm) / ref_norm < 1e-6, (norm, ref_norm)
         assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) < 1e-6

@@ -60,26 +60,26 @@ def options_from_plugin(
     opts: Dict[str, Any] = {}
 
     strategy = _sharding_strategy(plugin, environ)
-    group_size = given.group_size
+    fsdp_group_size = given.fsdp_group_size
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     opts["reshard_after_forward"] = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    opts["group_size"] = None
+    opts["fsdp_group_size"] = None
     if parallelism is not None:
-        opts["group_size"] = _layout_group_size(parallelism, strategy, group_size)
-        opts["reshard_after_forward"] &= opts["group_size"] > 1
-        group_size = None  # checked against the layout
+        opts["fsdp_group_size"] = _layout_group_size(parallelism, strategy, fsdp_group_size)
+        opts["reshard_after_forward"] &= opts["fsdp_group_size"] > 1
+        fsdp_group_size = None  # checked against the layout
     elif hybrid:
         # torch FSDP's HYBRID_SHARD shards inside a node and replicates across nodes: same default here
         local = environ.get("LOCAL_WORLD_SIZE") or None  # set by the launcher
-        if group_size is None and local is not None and not (local.strip().isdigit() and int(local) >= 1):
+        if fsdp_group_size is None and local is not None and not (local.strip().isdigit() and int(local) >= 1):
             raise ValueError(f"LOCAL_WORLD_SIZE={local!r} must be a positive integer")
-        opts["group_size"] = group_size or (None if local is None else int(local))
+        opts["fsdp_group_size"] = fsdp_group_size or (None if local is None else int(local))
     elif strategy == ShardingStrategy.NO_SHARD:
-        opts["group_size"] = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
+        opts["fsdp_group_size"] = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
         opts["reshard_after_forward"] = False
-    if group_size is not None and not hybrid:
+    if fsdp_group_size is not None and not hybrid:
         raise ValueError(
-            f"FLATSHARD_GROUP_SIZE={group_size} is set but fsdp_sharding_strategy is {strategy.name}; "
+            f"FLATSHARD_FSDP_GROUP_SIZE={fsdp_group_size} is set but fsdp_sharding_strategy is {strategy.name}; "
             "it only applies to HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (set the strategy or unset the variable)")
 
     # FSDP2 has no prefetch options (accelerate sets backward_prefetch to None and refuses forward_prefetch); it
@@ -146,13 +146,14 @@ def requested_parallelism_config(params: Mapping[str, Any]) -> Any:
     return config
 
 
-def _layout_group_size(parallelism: Any, strategy: Any, group_size: Optional[int]) -> int:
+def _layout_group_size(parallelism: Any, strategy: Any, fsdp_group_size: Optional[int]) -> int:
     """dp_replicate x dp_shard as shard groups of ``dp_shard_size`` consecutive ranks: accelerate's mesh puts
-    dp_shard innermost, so its groups are HYBRID_SHARD's with ``FLATSHARD_GROUP_SIZE=dp_shard_size``."""
+    dp_shard innermost, so its groups are HYBRID_SHARD's with ``FLATSHARD_FSDP_GROUP_SIZE=dp_shard_size``."""
     shard = parallelism.dp_shard_size
-    if group_size is not None and group_size != shard:
-        raise ValueError(f"FLATSHARD_GROUP_SIZE={group_size} disagrees with parallelism_config_dp_shard_size={shard}; "
-                         "unset FLATSHARD_GROUP_SIZE (the parallelism_config sets the shard groups)")
+    if fsdp_group_size is not None and fsdp_group_size != shard:
+        raise ValueError(f"FLATSHARD_FSDP_GROUP_SIZE={fsdp_group_size} disagrees with "
+                         f"parallelism_config_dp_shard_size={shard}; "
+                         "unset FLATSHARD_FSDP_GROUP_SIZE (the parallelism_config sets the shard groups)")
     if strategy == ShardingStrategy.NO_SHARD and shard > 1:
         raise ValueError(f"fsdp_sharding_strategy NO_SHARD contradicts parallelism_config_dp_shard_size={shard}; "
                          "use FULL_SHARD (or dp_shard_size 1)")
@@ -214,7 +215,7 @@ def normalize_plugin_to_fsdp1(plugin: Any, opts: FlatShardOptions) -> None:
     DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls."""
     if getattr(plugin, "fsdp_version", 1) != 2:
         return
-    strategy = (ShardingStrategy.NO_SHARD if opts.group_size == 1 else
+    strategy = (ShardingStrategy.NO_SHARD if opts.fsdp_group_size == 1 else
                 ShardingStrategy.FULL_SHARD if opts.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP)
     plugin.fsdp_version = 1
     plugin.sharding_strategy = plugin.reshard_after_forward = strategy

@@ -32,13 +32,13 @@ HARDWARE = {"flops": 300e12, "intra_node": 150e9, "inter_node": 25e9, "pcie": 25
 
 
 # the options the recommendation varies (the others stay the launch's)
-VARIED = ("reshard_after_forward", "group_size", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
+VARIED = ("reshard_after_forward", "fsdp_group_size", "forward_prefetch", "backward_prefetch", "limit_all_gathers",
           "activation_checkpointing", "offload_params")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A run: the model's options (the recommendation varies ``reshard_after_forward``, ``group_size``, the
+    """A run: the model's options (the recommendation varies ``reshard_after_forward``, ``fsdp_group_size``, the
     prefetches, ``limit_all_gathers``, ``activation_checkpointing`` and ``offload_params``, each a ``replace()`` of
     the launch's) and the per-device micro-batch with its accumulation ("none", "no_sync": accelerate's default,
     or "sync_each_batch")."""
@@ -59,7 +59,7 @@ class Config:
 
     def shard_size(self, world_size: int) -> int:
         """Ranks a parameter is sharded over: the world, or the hybrid group size."""
-        return self.options.group_size or world_size
+        return self.options.fsdp_group_size or world_size
 
     def strategy(self, world_size: int) -> str:
         G, reshard = self.shard_size(world_size), self.options.reshard_after_forward
@@ -158,7 +158,7 @@ def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tupl
                               (False, True) if planner.device == "cuda" else (False,), batches)
     launched = Config(planner.options)
     tried = [dataclasses.replace(launched.replace(
-        reshard_after_forward=reshard, group_size=g if g < W else None, forward_prefetch=prefetch,
+        reshard_after_forward=reshard, fsdp_group_size=g if g < W else None, forward_prefetch=prefetch,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None, limit_all_gathers=limit,
         activation_checkpointing=ac, offload_params=offload), micro_batch=mb, accumulation=acc)
         for g, reshard, prefetch, limit, ac, offload, (mb, acc) in knobs if g > 1 or not reshard]
@@ -183,7 +183,7 @@ def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
            f"fsdp_offload_params: {str(o.offload_params).lower()}",
            f"FLATSHARD_LIMIT_ALL_GATHERS={o.limit_all_gathers}"]
     if 1 < G < world_size:
-        out.append(f"FLATSHARD_GROUP_SIZE={G}")
+        out.append(f"FLATSHARD_FSDP_GROUP_SIZE={G}")
     steps = batch_size // cfg.micro_batch
     sync = ("GradientAccumulationPlugin(num_steps=..., sync_each_batch=True)" if cfg.accumulation == "sync_each_batch"
             else "accelerate's default no_sync until the last micro-step")

@@ -118,7 +118,7 @@ def predict(planner: Any, cfg: Any, curve: bool = False) -> Prediction:  # (a Pl
     cuda = planner.device == "cuda"
     trace, best = _Trace(cuda=cuda), Prediction(0, "", {})
     group = cfg.shard_size(planner.world_size)
-    opts = dataclasses.replace(cfg.options, group_size=group if group < planner.world_size else None,
+    opts = dataclasses.replace(cfg.options, fsdp_group_size=group if group < planner.world_size else None,
                                sync_module_states=False)
     real = _as_call(planner.make_batch(cfg.micro_batch))  # (held through the step, as by the caller)
     trace.add_real([v for k, v in real[1].items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)
