@@ -57,8 +57,8 @@ class FullyShardedDataParallel(nn.Module):
             (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch``
             (default True: with BACKWARD_PRE the fastest exact schedule measured, docs/performance.md),
             ``fsdp_group_size`` (hybrid: shard inside groups of this many ranks, all-reduce across groups),
-            ``mixed_precision`` (a :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's parameters and buffers, unit by
-            unit: other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA
+            ``mixed_precision`` (a :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's
+            parameters and buffers, unit by unit: other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA
             also freed gathered buffers the GPU still reads), ``offload_params`` (shards, sharded gradients and
             optimizer state in (pinned) host memory; the optimizer steps on the host, ``offload.py``), ...
 
