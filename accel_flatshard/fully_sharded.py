@@ -52,15 +52,15 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: torch FSDP's spelling of ``offload_params``: ``CPUOffload(offload_params=True)`` (ours or
             torch's), torch FSDP2's ``CPUOffloadPolicy`` or a bool.
         options: a :class:`~accel_flatshard.options.FlatShardOptions` (default: from the ``FLATSHARD_*`` variables).
-        **settings: any of its fields, overriding ``options``: ``reshard_after_forward`` (free gathered parameters
-            after each unit's forward; False keeps them until backward, ZeRO-2 like), ``backward_prefetch``
-            (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch``
-            (default True: with BACKWARD_PRE the fastest exact schedule measured, docs/performance.md),
-            ``fsdp_group_size`` (hybrid: shard inside groups of this many ranks, all-reduce across groups),
-            ``mixed_precision`` (a :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's
-            parameters and buffers, unit by unit: other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA
-            also freed gathered buffers the GPU still reads), ``offload_params`` (shards, sharded gradients and
-            optimizer state in (pinned) host memory; the optimizer steps on the host, ``offload.py``), ...
+        **settings: any of its fields, overriding ``options``: ``reshard_after_forward`` (free gathered parameters after
+            each unit's forward; False keeps them until backward, ZeRO-2 like), ``backward_prefetch``
+            (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch`` (default
+            True: with BACKWARD_PRE the fastest exact schedule measured, docs/performance.md), ``fsdp_group_size``
+            (hybrid: shard inside groups of this many ranks, all-reduce across groups), ``mixed_precision`` (a
+            :class:`MixedPrecision`), ``sync_module_states`` (broadcast rank 0's parameters and buffers, unit by unit:
+            other ranks may hold a meta-device model), ``limit_all_gathers`` (all-gathers in flight; on CUDA also freed
+            gathered buffers the GPU still reads), ``offload_params`` (shards, sharded gradients and optimizer state in
+            (pinned) host memory; the optimizer steps on the host, ``offload.py``), ...
 
     After wrapping, ``model.named_parameters()`` yields the original names and ``nn.Parameter`` objects, each
     a 1-D view of this rank's slice; build the optimizer from them (before or after wrapping).  Example::
