@@ -1,12 +1,12 @@
 """accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate."""
-from .chained_optimizer import ChainedOptimizer
-from .compilation import compile_model
-from .fully_sharded import FullyShardedDataParallel
-from .grad_norm import clip_grad_norm_
-from .mixed_precision import MixedPrecision
-from .offload import CPUOffload
-from .options import BackwardPrefetch, FlatShardOptions
-from .wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from .core.fully_sharded import FullyShardedDataParallel
+from .core.grad_norm import clip_grad_norm_
+from .core.mixed_precision import MixedPrecision
+from .core.offload import CPUOffload
+from .core.options import BackwardPrefetch, FlatShardOptions
+from .core.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from .features.chained_optimizer import ChainedOptimizer
+from .features.compilation import compile_model
 
 __all__ = ["Accelerator", "register", "FullyShardedDataParallel", "FlatShardOptions", "BackwardPrefetch",
            "MixedPrecision", "CPUOffload", "ChainedOptimizer", "clip_grad_norm_", "compile_model",

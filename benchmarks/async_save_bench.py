@@ -94,7 +94,7 @@ def _measure(step: Callable[[], None], save: Callable[[str, bool], Any], in_flig
 def _ours(row: str, args, root: str) -> Dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState
 
-    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.state import commit
     from accel_flatshard.integrations.accelerate import Accelerator
     from bench import build_model
 

@@ -103,7 +103,7 @@ def build_model(row: str, seq: int) -> torch.nn.Module:
 
 
 def block_classes(model: torch.nn.Module):
-    from accel_flatshard.wrap import block_classes_of
+    from accel_flatshard.core.wrap import block_classes_of
 
     return block_classes_of(model)
 
@@ -281,7 +281,7 @@ def row_profiler(device: torch.device):
 def profile_tables(prof, runners: List[Runner], row: str, rank: int, args) -> Dict[str, str]:
     """Stop ``prof``; the phase table of each of our engines (steps after warm-up, from its bench::step spans);
     with --trace-dir the row's trace (every engine, side by side) as ``{row}_rank{rank}.json``."""
-    from accel_flatshard.profiler import phase_table, step_phases
+    from accel_flatshard.tools.profiling import phase_table, step_phases
 
     prof.stop()
     events = prof.events()

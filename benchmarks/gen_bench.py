@@ -50,7 +50,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.generation import set_generation_options, unit_bytes
+    from accel_flatshard.features.generation import set_generation_options, unit_bytes
 
     ddp = torch.nn.parallel.DistributedDataParallel(build_model(args.layers))
     model = build_model(args.layers)

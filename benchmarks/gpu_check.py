@@ -50,14 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_check_slow import MODES, lag, slow_gpu  # noqa: E402
 
-from accel_flatshard import (  # noqa: E402
-    BackwardPrefetch,
-    CPUOffload,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    transformer_auto_wrap_policy,
-)
-from accel_flatshard.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
+from accel_flatshard import (BackwardPrefetch,
+                             CPUOffload,
+                             FullyShardedDataParallel,
+                             MixedPrecision,
+                             transformer_auto_wrap_policy)
+from accel_flatshard.core.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
 
 
 def small_model(family: str, seed: int = 0, layers: int = 3, hidden: int = 128, vocab: int = 1024,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accel_flatshard import FullyShardedDataParallel, compile_model, transformer_auto_wrap_policy  # noqa: E402
-from accel_flatshard._compat import dynamo_counters  # noqa: E402
+from accel_flatshard.core._compat import dynamo_counters  # noqa: E402
 from gpu_check_slow import lag, slow_gpu  # noqa: E402
 
 T0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One-GPU check of Muon owner-computes (issue 44, ``accel_flatshard/matrix_optim.py``) on the real CUDA path.
+"""One-GPU check of Muon owner-computes (issue 44, ``accel_flatshard/features/matrix_optim.py``) on the real CUDA path.
 
 A tiny Llama, Muon over its hidden matrices and AdamW over the rest (as torch's docs split them), 10 steps: the
 plain model on the GPU against the wrapped one (NCCL, one rank: both exchanges are copies issued on the
@@ -31,7 +31,7 @@ import models  # noqa: E402  (tests/models.py)
 from gpu_check_slow import lag, slow_gpu  # noqa: E402
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy  # noqa: E402
-from accel_flatshard.matrix_optim import hidden_matrices, owner_computes_of  # noqa: E402
+from accel_flatshard.features.matrix_optim import hidden_matrices, owner_computes_of  # noqa: E402
 
 
 def optimizers(model: torch.nn.Module) -> list:

@@ -7,7 +7,7 @@ group, so the replica all-reduce is issued too.  Every training step then issues
 streams and with ``async_op=False`` inside ``torch.cuda.stream(side)`` (how the engine issues them):
 
 * the all-gather of every flat parameter (``all_gather_into_tensor`` on torch 2.11, ``all_gather_single`` on
-  2.13+: whichever ``accel_flatshard.comm`` picked, printed),
+  2.13+: whichever ``accel_flatshard.core.comm`` picked, printed),
 * the reduce-scatter of every gradient (``reduce_scatter_tensor`` / ``reduce_scatter_single``),
 * under hybrid sharding the all-reduce over the replica group, on its own stream.
 
@@ -38,8 +38,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from accel_flatshard import MixedPrecision, comm
-from accel_flatshard import fully_sharded as _fully_sharded
+from accel_flatshard import MixedPrecision
+from accel_flatshard.core import comm
+from accel_flatshard.core import fully_sharded as _fully_sharded
 from gpu_check_slow import MODES, slow_gpu
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # launched on the compute stream

@@ -41,7 +41,7 @@ from gpu_check_slow import MODES, lag, slow_gpu  # noqa: E402
 from offload_adamw import run as adamw_run  # noqa: E402
 
 from accel_flatshard import CPUOffload, MixedPrecision  # noqa: E402
-from accel_flatshard.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
+from accel_flatshard.core.engine import MAX_PENDING_REDUCTIONS  # noqa: E402
 
 OFFLOAD = CPUOffload(offload_params=True)
 

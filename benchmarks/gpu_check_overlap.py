@@ -62,7 +62,7 @@ def emulate_comm(wrapped, repeat: int, calls: List[Tuple[str, int]]) -> None:
 
 
 def _done():
-    from accel_flatshard.comm import DONE
+    from accel_flatshard.core.comm import DONE
 
     return DONE
 

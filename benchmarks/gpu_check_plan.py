@@ -24,9 +24,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision  # noqa: E402
-from accel_flatshard.options import FlatShardOptions  # noqa: E402
+from accel_flatshard.core.options import FlatShardOptions  # noqa: E402
 from accel_flatshard.plan import Config, Planner  # noqa: E402
-from accel_flatshard.wrap import checkpoint_units, policy_of  # noqa: E402
+from accel_flatshard.core.wrap import checkpoint_units, policy_of  # noqa: E402
 
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ROWS = [("llama", "FULL_SHARD", {}), ("llama", "FULL_SHARD + AC", {"activation_checkpointing": True}),

@@ -9,7 +9,7 @@ API used here only, never by the package):
   loops): the optimizer's writes and the backward's reads/writes of gathered buffers land late, so a side
   stream that does not wait for them reads stale values;
 * on the engine's side streams before every collective (all-gather, reduce-scatter, replica all-reduce): every
-  ``collective()`` of ``accel_flatshard.engine``'s stream adapters is wrapped from here (the engine's code is
+  ``collective()`` of ``accel_flatshard.core.engine``'s stream adapters is wrapped from here (the engine's code is
   not touched), so a compute stream that does not wait for a collective reads its output unwritten.
 
 On CPU (the smoke run) there is no device queue: a short ``time.sleep`` stands in, so the same code runs.
@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from accel_flatshard import device as _device
+from accel_flatshard.core import device as _device
 
 # ~2.5 ms at the H200's ~2 GHz: longer than any kernel of the small parity models, so work queued after the
 # sleep runs well after the host has moved on

@@ -92,13 +92,13 @@ def patch_rs_p2p(wrapped) -> None:
 
 
 # one handle for several works (+ a completion step): the engine's own
-from accel_flatshard.comm import _Works  # noqa: E402
+from accel_flatshard.core.comm import _Works  # noqa: E402
 
 
 def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:
     """Engine: at most ``max_inflight`` full gradients awaiting reduction (the engine now bounds them on
     every device; this only sets the bound, process-wide: ``engine.MAX_PENDING_REDUCTIONS``)."""
-    from accel_flatshard import engine
+    from accel_flatshard.core import engine
 
     engine.MAX_PENDING_REDUCTIONS = max(1, max_inflight)
 
@@ -135,7 +135,7 @@ def wrap_embeddings(model) -> dict:
     gradient of backward) instead of with the root's at the very end."""
     import torch.nn as nn
 
-    from accel_flatshard.wrap import block_classes_of
+    from accel_flatshard.core.wrap import block_classes_of
 
     blocks = tuple(block_classes_of(model))
     extra = set()
@@ -152,7 +152,7 @@ def wrap_embeddings(model) -> dict:
 def head_in_root(model) -> dict:
     """Blocks as units, the untied embedding and head left in the root (the engine before the head
     became a unit: the simplest way to let a parent's forward read ``lm_head.weight``)."""
-    from accel_flatshard.wrap import block_classes_of, transformer_auto_wrap_policy
+    from accel_flatshard.core.wrap import block_classes_of, transformer_auto_wrap_policy
 
     return {"auto_wrap_policy": transformer_auto_wrap_policy(list(block_classes_of(model)))}
 
@@ -181,9 +181,9 @@ def no_outside_reads(wrapped) -> None:
 
 
 def compile_regional(wrapped) -> None:
-    """What prepare does for accelerate's use_regional_compilation (accel_flatshard.compilation): each
+    """What prepare does for accelerate's use_regional_compilation (accel_flatshard.features.compilation): each
     block's forward compiled inside its unit's hooks (gather, views, free run eagerly around it)."""
-    from accel_flatshard.compilation import compile_model
+    from accel_flatshard.features.compilation import compile_model
 
     compile_model(wrapped, regional=True)
 
@@ -199,7 +199,7 @@ def compile_blocks_call(wrapped) -> None:
 
 def compile_whole(wrapped) -> None:
     """Whole-model compile in place (graph breaks at every unit's hooks)."""
-    from accel_flatshard.compilation import compile_model
+    from accel_flatshard.features.compilation import compile_model
 
     compile_model(wrapped, regional=False)
 

@@ -15,7 +15,7 @@ blocks) of each seed, their mean and their spread (max - min):
   (``bf16_compress_hook`` needs NCCL);
 * ours with int8 weights, int8 gradients, both: ``FLATSHARD_QUANTIZED_ALL_GATHER=1``,
   ``FLATSHARD_QUANTIZED_REDUCE=1``, ``FLATSHARD_QUANT_BLOCK`` (``--block``).  Skipped, with a note, while
-  accel_flatshard/options.py does not declare those variables.
+  accel_flatshard/core/options.py does not declare those variables.
 
 Judging (shared/ACCELERATE_NOTES.md, "Comparing training runs"): two exact engines drift apart by rounding alone
 (per seed by about 1 %), so a lossy option is judged on the mean over seeds, with the exact-vs-DDP difference of
@@ -79,8 +79,8 @@ def configs(block: int) -> List[Config]:
 
 
 def undeclared_options(config: Config) -> List[str]:
-    """The row's FLATSHARD_* variables that accel_flatshard/options.py does not declare (yet)."""
-    from accel_flatshard.options import OPTIONS
+    """The row's FLATSHARD_* variables that accel_flatshard/core/options.py does not declare (yet)."""
+    from accel_flatshard.core.options import OPTIONS
 
     return sorted(name for name in config.env if name not in OPTIONS)
 
@@ -275,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for config in chosen:
         missing = undeclared_options(config)
         if missing:
-            notes.append(f"Skipped {config.label}: accel_flatshard/options.py does not declare {', '.join(missing)} "
+            notes.append(f"Skipped {config.label}: accel_flatshard/core/options.py does not declare {', '.join(missing)} "
                          f"yet (the int8 communication of issue 43 is not wired into the engine).")
             print(notes[-1], flush=True)
             continue

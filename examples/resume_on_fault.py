@@ -32,7 +32,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_flatshard import Accelerator
-from accel_flatshard.checkpoint import newest_complete_checkpoint
+from accel_flatshard.state import newest_complete_checkpoint
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

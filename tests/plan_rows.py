@@ -20,10 +20,10 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision
-from accel_flatshard.options import FlatShardOptions
+from accel_flatshard.core.options import FlatShardOptions
 from accel_flatshard.plan import Config, Planner
-from accel_flatshard.options import BackwardPrefetch
-from accel_flatshard.wrap import checkpoint_units, policy_of
+from accel_flatshard.core.options import BackwardPrefetch
+from accel_flatshard.core.wrap import checkpoint_units, policy_of
 
 BATCH, SEQ = 4, 32
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -198,7 +198,7 @@ def wrap(r: Row, before: Callable[[nn.Module], Any] = lambda model: None) -> Ful
 def measure(r: Row, limit: Optional[int] = None, steps: int = 2, sim: Any = None, wrapped=None) -> int:
     """The measured peak of the last of ``steps`` optimizer steps (``sim``: the CUDA simulator's device peak)."""
     if r.optimizer == "muon":  # built on the plain model (the matrices are 2-D there), as the planner does
-        from accel_flatshard.matrix_optim import matrix_optimizer_and_adamw
+        from accel_flatshard.features.matrix_optim import matrix_optimizer_and_adamw
 
         made = []
         wrapped = wrap(r, lambda model: made.append(matrix_optimizer_and_adamw(torch.optim.Muon, model, lr=1e-3)))
@@ -266,11 +266,11 @@ def snapshot_bytes(rank: int, world_size: int, r: Row) -> Dict[str, int]:
     """On each gloo rank, after one step of ``r``'s model: the host bytes the asynchronous save's snapshot really
     holds, SHARDED (``commit.snapshot_entries``' copies of the model's and optimizer's entries) and FULL (the
     model and optimizer state gathered to rank 0, which is its snapshot)."""
-    from accel_flatshard.checkpoint import commit
-    from accel_flatshard.checkpoint.dcp import FlatRange
-    from accel_flatshard.checkpoint.sharded import model_entries, optimizer_entries
-    from accel_flatshard.state_dict.model import full_state_dict
-    from accel_flatshard.state_dict.optim import full_optim_state_dict
+    from accel_flatshard.state import commit
+    from accel_flatshard.state.dcp import FlatRange
+    from accel_flatshard.state.sharded import model_entries, optimizer_entries
+    from accel_flatshard.core.model_state import full_state_dict
+    from accel_flatshard.state.optim import full_optim_state_dict
 
     wrapped = wrap(r)
     optimizer = adamw("cpu")(list(wrapped.parameters()))

@@ -1,6 +1,6 @@
 """A CPU simulation of CUDA streams (tests only): checks the engine's CUDA schedule without a GPU.
 
-The engine's real CUDA code path (``accel_flatshard.device.CudaStreams``) runs against
+The engine's real CUDA code path (``accel_flatshard.core.device.CudaStreams``) runs against
 :class:`SimulatedCuda`, which stands in for ``torch.cuda`` (``Stream``, ``Event``, ``current_stream``,
 ``stream``).  Kernels and collectives really run (on CPU tensors, synchronously); what is simulated is
 their ordering on a GPU that is *infinitely slow* relative to the host: nothing is known complete until a
@@ -75,8 +75,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from accel_flatshard._compat import map_tensors
-from accel_flatshard.device import CudaStreams
+from accel_flatshard.core._compat import map_tensors
+from accel_flatshard.core.device import CudaStreams
 
 # c10d ops: indices of the arguments a collective writes (the others are read); unknown ones: all written
 _C10D_WRITES = {

@@ -19,8 +19,8 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
-from accel_flatshard.options import check_environment  # noqa: E402
-from accel_flatshard.wrap import policy_of, select_units  # noqa: E402
+from accel_flatshard.core.options import check_environment  # noqa: E402
+from accel_flatshard.core.wrap import policy_of, select_units  # noqa: E402
 
 # the launcher's yaml-key -> environment mapping for the keys used here (accelerate/utils/launch.py)
 _ENV_NAME = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP", "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS"}
@@ -154,7 +154,7 @@ def test_refuses_models_wrapped_by_torch():
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.nn.parallel import DistributedDataParallel
 
-    from accel_flatshard.fully_sharded import check_not_wrapped
+    from accel_flatshard.core.fully_sharded import check_not_wrapped
 
     for cls, word in ((TorchFSDP, "FSDP1"), (DistributedDataParallel, "DistributedDataParallel")):
         fake = cls.__new__(cls)  # isinstance is all the check needs; building either needs a process group

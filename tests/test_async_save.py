@@ -83,7 +83,7 @@ def _holding_writes(commit, gates):
 
 
 def _async_vs_sync_worker(rank: int, world: int, root: str, state_dict_type: str) -> dict:
-    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.state import commit
 
     out, gates, start_save = {}, [], commit.start_save
     commit.start_save = _holding_writes(commit, gates)
@@ -135,7 +135,7 @@ def test_resume_from_each_async_checkpoint_equals_the_uninterrupted_run(async_vs
 
 
 def test_every_async_checkpoint_is_committed_with_its_marker(async_vs_sync):
-    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.state import commit
 
     root, _ = async_vs_sync
     for mode in ("sync", "async"):
@@ -151,7 +151,7 @@ def _interrupted_worker(rank: int, world: int, root: str) -> dict:
     mid-write leaves it (a part and the commit marker missing)."""
     from accelerate.utils import ProjectConfiguration
 
-    from accel_flatshard.checkpoint import CheckpointError, commit, newest_complete_checkpoint
+    from accel_flatshard.state import CheckpointError, commit, newest_complete_checkpoint
 
     config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True, total_limit=2)
     accelerator = _accelerator("SHARDED_STATE_DICT", project_config=config)
@@ -183,7 +183,7 @@ def _interrupted_worker(rank: int, world: int, root: str) -> dict:
     out["next_iteration"] = accelerator.project_configuration.iteration
 
     # a background write that fails on rank 1 (a full disk): save_state returns, the next waiting call raises
-    from accel_flatshard.checkpoint import dcp
+    from accel_flatshard.state import dcp
 
     write_data = dcp.RecordingWriter.write_data
 
@@ -229,7 +229,7 @@ def _peer_dies_mid_save(rank: int, world: int, directory: str) -> str:
 
     import torch.distributed as dist
 
-    from accel_flatshard.checkpoint import CheckpointError, commit
+    from accel_flatshard.state import CheckpointError, commit
 
     def write(group):
         if rank == 1:
@@ -260,8 +260,8 @@ def _simulated_snapshot(drop: str = ""):
     ``drop``: the adapter's ordering call the mutation leaves out."""
     from sim_cuda import SimulatedCuda, sim_adapter
 
-    from accel_flatshard.checkpoint import commit
-    from accel_flatshard.checkpoint.dcp import FlatRange
+    from accel_flatshard.state import commit
+    from accel_flatshard.state.dcp import FlatRange
 
     sim = SimulatedCuda()
     adapter = sim_adapter(sim)

@@ -128,7 +128,7 @@ def test_adamw8bit_state_of_a_rank_s_piece_refuses_another_shard_size(sharded_re
     import bitsandbytes as bnb
 
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.checkpoint import CheckpointError, load_sharded_optimizer
+    from accel_flatshard.state import CheckpointError, load_sharded_optimizer
 
     tmp_path = sharded_resume[0]
     model = _model()

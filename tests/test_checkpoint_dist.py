@@ -23,16 +23,18 @@ import models
 from dist_helpers import spawn
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.checkpoint import (
-    CheckpointError,
-    UnsafeCheckpointError,
-    load_sharded_model,
-    load_sharded_optimizer,
-    save_sharded_model,
-    save_sharded_optimizer,
-)
-from accel_flatshard.state_dict import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                                        load_full_state_dict, optim_state_dict_from_torch, optim_state_dict_to_torch)
+from accel_flatshard.state import (CheckpointError,
+                                   UnsafeCheckpointError,
+                                   load_sharded_model,
+                                   load_sharded_optimizer,
+                                   save_sharded_model,
+                                   save_sharded_optimizer)
+from accel_flatshard.state import (full_optim_state_dict,
+                                   full_state_dict,
+                                   load_full_optim_state_dict,
+                                   load_full_state_dict,
+                                   optim_state_dict_from_torch,
+                                   optim_state_dict_to_torch)
 
 STEPS = 5
 TOL = 1e-6  # resumed vs uninterrupted losses, also across world sizes
@@ -81,7 +83,7 @@ def _assert_same_state(m1, o1, m2, o2):
 
 def _crash_mid_save(rank, model, path):
     """Rank 1 fails after writing 2 items: every rank raises, the old checkpoint survives intact."""
-    from accel_flatshard.checkpoint import dcp as _planner
+    from accel_flatshard.state import dcp as _planner
 
     original = _planner.FlatSavePlanner.resolve_data
     calls = [0]
@@ -264,7 +266,7 @@ def test_full_dicts_work_with_plain_hf_model_and_optimizer(run2, tmp_path):
 def test_consolidate_and_inspect_cli(run2, tmp_path, capsys):
     from transformers import GPT2LMHeadModel
 
-    from accel_flatshard.cli import main
+    from accel_flatshard.tools.cli import main
 
     root, ref = run2
     x = _data()[0][:2]

@@ -12,14 +12,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accel_flatshard.checkpoint import CheckpointError, UnsafeCheckpointError
+from accel_flatshard.state import CheckpointError, UnsafeCheckpointError
 from torch.distributed.checkpoint.planner import SavePlan
 
-from accel_flatshard.checkpoint.dcp import FlatLoadPlanner, FlatRange, FlatSavePlanner, check_tiling, plan_reads, range_to_chunks
-from accel_flatshard.checkpoint.atomic import commit_dir, new_tmp_dir
-from accel_flatshard.checkpoint.sharded import META_FILE, load_metadata_safely, resolve_checkpoint_dir
-from accel_flatshard.sizes import parse_size
-from accel_flatshard.flat_param import FlatParamLayout
+from accel_flatshard.state.dcp import (FlatLoadPlanner,
+                                       FlatRange,
+                                       FlatSavePlanner,
+                                       check_tiling,
+                                       plan_reads,
+                                       range_to_chunks)
+from accel_flatshard.state.atomic import commit_dir, new_tmp_dir
+from accel_flatshard.state.sharded import META_FILE, load_metadata_safely, resolve_checkpoint_dir
+from accel_flatshard.core.sizes import parse_size
+from accel_flatshard.core.flat_param import FlatParamLayout
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)
 
@@ -147,7 +152,7 @@ def test_metadata_unpickler_refuses_disallowed_globals(tmp_path):
 
 
 def test_real_dcp_metadata_passes_the_allow_list(tmp_path):
-    from accel_flatshard.checkpoint.dcp import dcp_save
+    from accel_flatshard.state.dcp import dcp_save
 
     entries = {"w": FlatRange(torch.randn(20), 0, (4, 5)), "step": torch.tensor(3.0),
                "h": FlatRange(torch.randn(3).bfloat16(), 0, (3,))}
@@ -193,7 +198,7 @@ def test_parse_size():
 @pytest.mark.parametrize("direction", ["to_torch", "from_torch"])
 def test_torch_optimizer_conversion_names_a_parameter_outside_the_model(direction):
     """An optimizer holding a parameter the model does not own: the conversion names the group and the shape."""
-    from accel_flatshard.state_dict.optim import optim_state_dict_from_torch, optim_state_dict_to_torch
+    from accel_flatshard.state.optim import optim_state_dict_from_torch, optim_state_dict_to_torch
 
     model, stray = torch.nn.Linear(2, 3), torch.nn.Parameter(torch.zeros(5, 7))
     optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
@@ -205,7 +210,7 @@ def test_torch_optimizer_conversion_names_a_parameter_outside_the_model(directio
 def test_a_deletion_cut_short_leaves_no_half_emptied_checkpoint_that_reads_complete(tmp_path, monkeypatch):
     # prune_checkpoints deletes an incomplete folder and the process is killed inside the deletion, after the
     # manifest went (before: the rest read as a complete checkpoint written before commit markers, and loaded)
-    from accel_flatshard.checkpoint import atomic, commit
+    from accel_flatshard.state import atomic, commit
 
     root = tmp_path / "checkpoints"
     for n, manifest in ((1, commit.COMPLETE_FILE), (2, commit.PENDING_FILE)):
@@ -230,7 +235,7 @@ def test_a_deletion_cut_short_leaves_no_half_emptied_checkpoint_that_reads_compl
 def test_the_background_writer_thread_alone_gets_the_lower_priority():
     import threading
 
-    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.state import commit
 
     seen = {}
 

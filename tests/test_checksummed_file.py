@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from accel_flatshard.checkpoint import atomic
-from accel_flatshard.checkpoint.atomic import ChecksummedFile
-from accel_flatshard.checkpoint.dcp import FlatRange, FlatSavePlanner, _own_storage, dcp_save
+from accel_flatshard.state import atomic
+from accel_flatshard.state.atomic import ChecksummedFile
+from accel_flatshard.state.dcp import FlatRange, FlatSavePlanner, _own_storage, dcp_save
 
 MiB = 1 << 20
 # items as torch.save hands them over: small headers, data that ends mid-block, spans blocks, fills one exactly

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_flatshard.checkpoint import CheckpointError
-from accel_flatshard.checkpoint.dcp import FlatRange
-from accel_flatshard.checkpoint.offline import read_full_tensors
-from accel_flatshard.checkpoint.sharded import save_entries
-from accel_flatshard.cli import main
+from accel_flatshard.state import CheckpointError
+from accel_flatshard.state.dcp import FlatRange
+from accel_flatshard.state.offline import read_full_tensors
+from accel_flatshard.state.sharded import save_entries
+from accel_flatshard.tools.cli import main
 
 
 def _write(directory, kind="model"):

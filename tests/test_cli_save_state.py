@@ -12,7 +12,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from accel_flatshard.cli import main
+from accel_flatshard.tools.cli import main
 from models import gpt2
 
 

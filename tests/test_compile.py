@@ -2,7 +2,7 @@
 
 Reference: torch DDP with the same compilation (each block compiled in place with ``module.compile()``,
 or the whole DDP model), same data, W=2 gloo ranks, inductor (C++ on CPU).  Dynamo's counters
-(``accel_flatshard._compat.dynamo_counters``) are read after every step: no graph is compiled after the
+(``accel_flatshard.core._compat.dynamo_counters``) are read after every step: no graph is compiled after the
 first step, and the only graph breaks are at the units' gather/free hooks (none with regional compile).
 
 Default: one in-process run shared by two tests (DDP with compiled blocks as the reference; ours regional
@@ -30,7 +30,7 @@ TOL = 1e-5
 
 
 def _fresh_dynamo():
-    from accel_flatshard._compat import dynamo_counters
+    from accel_flatshard.core._compat import dynamo_counters
 
     torch._dynamo.reset()
     dynamo_counters().clear()
@@ -46,7 +46,7 @@ def _model(use_cache: bool = False):
 def _train(model, opt, rank, world, steps, first=0, clip=None):
     """``steps`` optimizer steps of 2 micro-batches (the first under no_sync), clipping at 0.5; the mean
     loss over ranks, the grad norm and dynamo's compiled-graph count after each step."""
-    from accel_flatshard._compat import dynamo_counters
+    from accel_flatshard.core._compat import dynamo_counters
 
     data = batches(2 * (first + steps), batch=2 * world)[2 * first:]
     losses, norms, graphs = [], [], []
@@ -86,7 +86,7 @@ def _ddp(regional: bool, backend: str = "inductor"):
 def _ours(regional, backend="inductor", **kwargs):
     """Our wrapper (blocks as units), compiled with ``compile_model`` unless ``regional`` is None."""
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.compilation import compile_model
+    from accel_flatshard.features.compilation import compile_model
 
     model = _model()
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), **kwargs)
@@ -108,8 +108,8 @@ def _placements_worker(rank, world, tmp):
     """DDP with compiled blocks (the reference), ours regional (with FULL / SHARDED save and load and
     generation), ours whole-model (aot_eager: dynamo + aot_autograd as with inductor, without the C++
     compile; whole-model inductor against DDP whole-model: the slow launch matrix)."""
-    from accel_flatshard import checkpoint as ckpt
-    from accel_flatshard import state_dict as sd
+    from accel_flatshard import state as ckpt
+    from accel_flatshard import state as sd
 
     prompt = batches(1, batch=1, seq=4)[0]
     _fresh_dynamo()
@@ -187,7 +187,7 @@ def test_whole_model_compile_breaks_only_at_unit_hooks(placements):
 # ---------------------------------------------------------------------------- bf16 + activation checkpointing
 def _features_worker(rank, world):
     from accel_flatshard import MixedPrecision
-    from accel_flatshard.wrap import checkpoint_units
+    from accel_flatshard.core.wrap import checkpoint_units
 
     results = {}
     for compiled in (False, True):
@@ -216,7 +216,7 @@ def test_bf16_and_activation_checkpointing_compiled():
 # ---------------------------------------------------------------------------- no silent eager fall-back
 def _recompile_limit_worker(rank, world):
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.compilation import compile_model
+    from accel_flatshard.features.compilation import compile_model
 
     _fresh_dynamo()
     model = _model(use_cache=True)  # HF's default: the KV cache makes each layer's index a graph constant

@@ -1,5 +1,5 @@
 """The figures of docs/figures/ (issue 47, ``make docs-figures``): ``accel-flatshard plan --plot`` (its module,
-accel_flatshard/plan/plot.py), the step timeline's trace parsing and drawing (tools/step_timeline.py) and the bench
+accel_flatshard/tools/plan_plot.py), the step timeline's trace parsing and drawing (tools/step_timeline.py) and the bench
 figure (benchmarks/bench_plot.py), each on tiny inputs.  matplotlib is in the test extra: nothing here is skipped."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from launch_helpers import CPU_FSDP_YAML, REPO
 
-from accel_flatshard.plan.__main__ import main as plan_main
+from accel_flatshard.tools.plan_cli import main as plan_main
 
 sys.path[:0] = [str(REPO / "tools"), str(REPO / "benchmarks")]
 import bench_plot  # noqa: E402  (benchmarks/bench_plot.py)
@@ -59,7 +59,7 @@ def test_plan_plot_writes_a_png_for_a_model_directory_with_a_measured_run(llama_
 def test_the_planned_curve_peaks_at_the_plans_peak_split_by_kind(llama_dir):
     """The plot's curve is the plan's own: its largest total is the predicted peak, split as the table splits it."""
     from accel_flatshard.plan import run
-    from accel_flatshard.plan.__main__ import build_parser, planned
+    from accel_flatshard.tools.plan_cli import build_parser, planned
 
     args, launch = build_parser().parse_known_args(["--model", str(llama_dir), "--config_file", str(CPU_FSDP_YAML),
                                                     "--batch_size", "2", "--seq_len", "16", "--device", "cpu"])

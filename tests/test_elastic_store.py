@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accel_flatshard import comm, patches
+from accel_flatshard.core import comm
+from accel_flatshard.integrations import patches
 from dist_helpers import _context
 
 TIMEOUT = datetime.timedelta(seconds=20)

@@ -153,7 +153,7 @@ def test_params_grads_and_optimizer_state_are_one_over_w_of_ddp(world_size):
 
 
 def _embedding_gathers_worker(rank, world_size, checkpointing):
-    from accel_flatshard.wrap import checkpoint_units
+    from accel_flatshard.core.wrap import checkpoint_units
     from models import first_grads, llama
 
     data = batches(1, batch=world_size * 2)
@@ -234,7 +234,7 @@ def test_a_changed_unit_order_warns_once_naming_both_orders_and_stays_exact():
 def test_the_groups_the_engine_runs_on_share_one_interface(world_of_one):
     """ShardGroup and the tests' single-process stand-ins (identical ranks, identical replicas) are all
     ``comm.Collectives``: what the engine asks of a group is written once."""
-    from accel_flatshard.comm import Collectives, ShardGroup
+    from accel_flatshard.core.comm import Collectives, ShardGroup
     from test_sim_paths import IdenticalReplicas
     from test_streams import _IdenticalRanksGroup
 

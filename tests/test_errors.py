@@ -110,7 +110,7 @@ def test_optimizer_step_with_gradients_of_an_unfinished_backward_is_refused():
 def test_illegal_unit_transitions_raise_naming_the_unit_the_states_and_the_hook(world_of_one):
     """Each hook checks its unit's state (unit.py): a reshard while the unit's all-gather is in flight, a wait for
     a gather never issued, a backward inside summon_full_params (the parameters are full tensors there)."""
-    from accel_flatshard.unit import UnitStateError
+    from accel_flatshard.core.unit import UnitStateError
 
     wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
     block = wrapped.units[1]

@@ -7,7 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accel_flatshard.flat_param import FlatParameter, FlatParamLayout
+from accel_flatshard.core.flat_param import FlatParameter, FlatParamLayout
 
 
 def test_offsets_are_aligned_and_padded_size_divides_world_times_alignment():

@@ -64,7 +64,7 @@ def test_bf16_cast_inside_summon_leaves_fp32_masters_bitwise(parity):
 
 # ---------------------------------------------------------------------- single process: options and plan
 def test_options_from_env(monkeypatch):
-    from accel_flatshard.options import FlatShardOptions
+    from accel_flatshard.core.options import FlatShardOptions
 
     monkeypatch.delenv("FLATSHARD_GENERATION_MODE", raising=False)
     monkeypatch.delenv("FLATSHARD_GENERATION_BUDGET_MB", raising=False)
@@ -97,7 +97,7 @@ def _tiny_wrapped(**kwargs):
 
 
 def test_plan_respects_budget_and_prefetch(world_of_one):
-    from accel_flatshard.generation import peak_held_bytes, plan_kept_units, unit_bytes
+    from accel_flatshard.features.generation import peak_held_bytes, plan_kept_units, unit_bytes
 
     wrapped, _ = _tiny_wrapped()
     units = wrapped.units
@@ -122,7 +122,7 @@ def test_summon_accepts_torch_signature_and_refuses_unsupported(world_of_one):
 
 
 def test_frozen_model_keeps_units_until_the_optimizer_step(world_of_one):
-    from accel_flatshard.generation import set_generation_options
+    from accel_flatshard.features.generation import set_generation_options
 
     frozen_ref, ref_plain = _frozen_wrapped()
     set_generation_options(frozen_ref, keep_frozen_gathered=True)
@@ -132,7 +132,7 @@ def test_frozen_model_keeps_units_until_the_optimizer_step(world_of_one):
         assert all(f.unsharded.untyped_storage().nbytes() for f in frozen_ref.flat_params)  # kept across micro-batches
         second = frozen_ref(ids).logits
     assert torch.equal(first, ref_plain(ids).logits) and torch.equal(second, first)
-    from accel_flatshard.generation import control_of
+    from accel_flatshard.features.generation import control_of
 
     frozen_ref(ids)  # a forward with grad releases them first (training frees units after use)
     assert not control_of(frozen_ref).kept
@@ -198,7 +198,7 @@ def test_grpo_with_bf16_runs_and_keeps_fp32_masters(tmp_path):
 
 
 def test_slower_modes_say_so_once_with_the_option_to_set(world_of_one):
-    from accel_flatshard.generation import set_generation_options, unit_bytes
+    from accel_flatshard.features.generation import set_generation_options, unit_bytes
 
     wrapped, reference = _tiny_wrapped()
     ids = torch.randint(3, 64, (1, 4))

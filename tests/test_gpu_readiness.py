@@ -42,7 +42,7 @@ def _train(wrapper, steps=1):
 
 
 def _generate(wrapper):
-    from accel_flatshard.generation import set_generation_options
+    from accel_flatshard.features.generation import set_generation_options
 
     x = batches(1, batch=1, seq=4)[0]
     for mode, budget in (("full", None), ("budget", 1), ("per_unit", None)):  # gather-once, kept units, per step
@@ -54,8 +54,8 @@ def _generate(wrapper):
 
 
 def _checkpoint(wrapper, opt, tmp_path):
-    from accel_flatshard.checkpoint import save_sharded_model, save_sharded_optimizer
-    from accel_flatshard.state_dict import full_optim_state_dict
+    from accel_flatshard.state import save_sharded_model, save_sharded_optimizer
+    from accel_flatshard.state import full_optim_state_dict
 
     save_sharded_model(wrapper, str(tmp_path / "model"))
     save_sharded_optimizer(wrapper, opt, str(tmp_path / "optim"))
@@ -109,7 +109,9 @@ def _two_ranks_with_different_free_memory(rank, world):
     device the object collectives ran on."""
     import contextlib
 
-    from accel_flatshard import FullyShardedDataParallel, comm, device, generation, transformer_auto_wrap_policy
+    from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
+    from accel_flatshard.core import comm, device
+    from accel_flatshard.features import generation
 
     model, reference = llama(n_layer=4), llama(n_layer=4)
     wrapper = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
@@ -195,7 +197,7 @@ def test_offloaded_grad_norm_is_all_reduced_on_the_models_device(monkeypatch, ex
 def test_cuda_free_memory_counts_the_allocators_cached_blocks(monkeypatch):
     """mem_get_info sees blocks the caching allocator reserved but no tensor uses as taken; they are free to
     the next allocation (the generation budget is half of this)."""
-    from accel_flatshard.device import free_bytes
+    from accel_flatshard.core.device import free_bytes
 
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (asked.append(d), (1000, 8000))[1])

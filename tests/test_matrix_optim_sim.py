@@ -1,4 +1,4 @@
-"""The matrix optimizers' exchange on the simulated CUDA schedule (tests/sim_cuda.py; accel_flatshard/matrix_optim.py).
+"""The matrix optimizers' exchange on the simulated CUDA schedule (tests/sim_cuda.py; accel_flatshard/features/matrix_optim.py).
 
 One process, a shard group of one: every transfer of the two exchanges is a copy, issued where a transfer would
 be, on the adapter's "matrix_exchange" side stream.  Muon over a tiny Llama's hidden matrices and AdamW over the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.checkpoint import load_sharded_optimizer, save_sharded_optimizer
+from accel_flatshard.state import load_sharded_optimizer, save_sharded_optimizer
 from models import batches, llama, llama_layer_class
 from sim_cuda import one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 

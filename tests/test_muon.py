@@ -1,4 +1,4 @@
-"""``torch.optim.Muon`` over sharded matrices (issue 44; ``accel_flatshard/matrix_optim.py``).
+"""``torch.optim.Muon`` over sharded matrices (issue 44; ``accel_flatshard/features/matrix_optim.py``).
 
 Muon over the hidden 2-D matrices and AdamW over the rest, as torch's Muon docs split them, built before
 ``accelerator.prepare`` and handed to it with the model.  The reference is what a user would pick: DDP running the
@@ -21,7 +21,7 @@ import models
 from dist_helpers import spawn, trainer_args, trainer_run_and_resume
 
 from accel_flatshard import ChainedOptimizer
-from accel_flatshard.matrix_optim import assign_owners
+from accel_flatshard.features.matrix_optim import assign_owners
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 
@@ -103,7 +103,7 @@ def _parity_and_resume(rank, world, root, state_dict_type="SHARDED_STATE_DICT", 
     single, ddp = _references(rank, world, recipe)
     _fsdp_env(state_dict_type, fsdp_group_size)
     from accel_flatshard.integrations.accelerate import Accelerator
-    from accel_flatshard.matrix_optim import owner_computes_of
+    from accel_flatshard.features.matrix_optim import owner_computes_of
 
     acc = Accelerator()
     model = models.llama(n_layer=2)
@@ -247,8 +247,8 @@ def _conversions(rank, world, root):
     """The full optimizer state dict is one process's Muon's (to torch's format and back); the SHARDED optimizer
     checkpoint saved here is resumed at W=1 by the test."""
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.checkpoint import save_sharded_model, save_sharded_optimizer
-    from accel_flatshard.state_dict import full_optim_state_dict, load_full_optim_state_dict
+    from accel_flatshard.state import save_sharded_model, save_sharded_optimizer
+    from accel_flatshard.state import full_optim_state_dict, load_full_optim_state_dict
 
     model = models.llama(n_layer=2)
     muon, adamw = _optimizers(model)
@@ -267,8 +267,8 @@ def _conversions(rank, world, root):
 
 def test_optimizer_state_dicts_convert_and_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, world_of_one):
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.checkpoint import load_sharded_model, load_sharded_optimizer
-    from accel_flatshard.state_dict import optim_state_dict_from_torch, optim_state_dict_to_torch
+    from accel_flatshard.state import load_sharded_model, load_sharded_optimizer
+    from accel_flatshard.state import optim_state_dict_from_torch, optim_state_dict_to_torch
 
     ours = spawn(2, _conversions, str(tmp_path))[0]
     plain = models.llama(n_layer=2)  # one process, the global batch
@@ -315,8 +315,10 @@ def test_muon_equals_ddp_and_resumes(tmp_path, world, fsdp_group_size, state_dic
 def _resume_at(rank, world, root, save):
     """W=2 saves after 3 steps (SHARDED), W=3 loads it; both return the next 2 losses."""
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
-                                            save_sharded_optimizer)
+    from accel_flatshard.state import (load_sharded_model,
+                                       load_sharded_optimizer,
+                                       save_sharded_model,
+                                       save_sharded_optimizer)
 
     model = models.llama(n_layer=2)
     muon, adamw = _optimizers(model)

@@ -84,7 +84,7 @@ def test_cpu_offload_accepts_torch_forms():
     from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from accel_flatshard.fully_sharded import wants_offload
+    from accel_flatshard.core.fully_sharded import wants_offload
 
     assert wants_offload(TorchCPUOffload(offload_params=True)) and wants_offload(CPUOffloadPolicy())
     assert not wants_offload(TorchCPUOffload()) and not wants_offload(OffloadPolicy()) and not wants_offload(None)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.engine import MAX_PENDING_REDUCTIONS
+from accel_flatshard.core.engine import MAX_PENDING_REDUCTIONS
 from models import batches, llama, llama_layer_class
 from sim_cuda import SimCudaStreams, one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
@@ -189,8 +189,8 @@ def test_offload_under_hybrid_copies_the_gradient_after_the_replica_all_reduce(w
     """The reduced shard is copied to its host buffer on the stream that wrote it last (the replica
     stream under hybrid sharding), post-divided; the device copy is dropped at once, kept alive for the
     other stream by record_stream; the host reads the gradient only after the copy's event."""
-    from accel_flatshard.engine import Engine
-    from accel_flatshard.options import FlatShardOptions
+    from accel_flatshard.core.engine import Engine
+    from accel_flatshard.core.options import FlatShardOptions
     from sim_cuda import SimulatedCuda, sim_adapter
     from test_streams import _flat_with_grad, _IdenticalRanksGroup
 
@@ -211,8 +211,8 @@ def test_two_reductions_of_one_flat_parameter_in_one_backward_are_summed(world):
     """A flat parameter reduced twice before the end of backward (the engine allows it; e.g. a unit whose
     gradient hook fires once per inner backward): each copy lands in its own host buffer, concurrently,
     and the host adds them (not the second one written over the first and then added to itself)."""
-    from accel_flatshard.engine import Engine
-    from accel_flatshard.options import FlatShardOptions
+    from accel_flatshard.core.engine import Engine
+    from accel_flatshard.core.options import FlatShardOptions
     from sim_cuda import SimulatedCuda, sim_adapter
     from test_streams import _flat_with_grad, _IdenticalRanksGroup
 

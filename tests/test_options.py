@@ -5,7 +5,8 @@ import re
 import pytest
 import torch.nn as nn
 
-from accel_flatshard import FullyShardedDataParallel, options
+from accel_flatshard import FullyShardedDataParallel
+from accel_flatshard.core import options
 
 from docs_pages import ROOT, docs_page
 
@@ -116,7 +117,7 @@ def _attributes_read(relative: str) -> set:
 
 
 def test_every_setting_has_one_name_from_its_yaml_key_or_variable_to_its_reader():
-    from accel_flatshard.options import FIELDS, FlatShardOptions, setting_sources
+    from accel_flatshard.core.options import FIELDS, FlatShardOptions, setting_sources
 
     assert set(FIELDS) == set(SETTINGS), "a new option is a FlatShardOptions field and a row here"
     sources = setting_sources()

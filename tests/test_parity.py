@@ -101,7 +101,7 @@ def _sabotaged_run(rank, world_size, fault):
     """Train with a deliberately broken gradient reduction; the parity check must notice."""
     import os
 
-    from accel_flatshard.comm import DONE, ShardGroup
+    from accel_flatshard.core.comm import DONE, ShardGroup
 
     # sabotage the all-reduce + slice path (patching it is simplest); the check itself is path independent
     os.environ.update(FLATSHARD_GLOO_P2P="0", FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE="1")

@@ -16,7 +16,7 @@ import accelerate.utils
 import accelerate.utils.fsdp_utils
 import transformers.trainer
 
-from accel_flatshard import patches
+from accel_flatshard.integrations import patches
 from docs_pages import docs_page
 from accel_flatshard.integrations import state_io
 
@@ -108,7 +108,7 @@ def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    monkeypatch.setattr("accel_flatshard.offload._FAST_HOST_STEP_WARNED", False)
+    monkeypatch.setattr("accel_flatshard.core.offload._FAST_HOST_STEP_WARNED", False)
     shared = dict(PartialState._shared_state)
     assert ours() == []
     applied = [where for scope in ("wrapper", "offload", "frozen", "fsdp_state") for where in patches.install(scope)]

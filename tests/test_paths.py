@@ -177,8 +177,8 @@ def test_each_path_crosses_at_most_ten_modules_without_climbing_back_up(paths, o
 
 def test_the_recorder_sees_a_climb():
     """The measurement can fail: a lower module calling back into a module above it is reported."""
-    edges = [("accel_flatshard.comm", "accel_flatshard.fully_sharded", "f -> g")]
-    assert climbs(edges) == ["accel_flatshard.comm -> accel_flatshard.fully_sharded (f -> g)"]
+    edges = [("accel_flatshard.core.comm", "accel_flatshard.core.fully_sharded", "f -> g")]
+    assert climbs(edges) == ["accel_flatshard.core.comm -> accel_flatshard.core.fully_sharded (f -> g)"]
 
 
 if __name__ == "__main__":

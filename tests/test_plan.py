@@ -30,8 +30,8 @@ from launch_helpers import CPU_FSDP_YAML, REPO, SCRIPTS, launch, read_json
 from plan_rows import BATCH, BF16, BF16_REDUCE_BF16, measure, measure_rows, row, snapshot_bytes, wrap
 
 from accel_flatshard import plan
-from accel_flatshard.options import BackwardPrefetch
-from accel_flatshard.plan.__main__ import main as plan_main
+from accel_flatshard.core.options import BackwardPrefetch
+from accel_flatshard.tools.plan_cli import main as plan_main
 
 TOLERANCE = 0.02
 
@@ -176,7 +176,7 @@ def test_the_plan_follows_a_flipped_schedule_rule(monkeypatch):
     """The planner runs the wrapper's own Schedule and Engine (issue 33): with one rule of the schedule flipped
     (backward prefetch gathers nothing), the plan moves with it, to the real step's peak under the same flip;
     a planner with rules of its own would still predict the unflipped peak, and fail here."""
-    from accel_flatshard import fully_sharded
+    from accel_flatshard.core import fully_sharded
 
     r = row("llama", 1, "FULL_SHARD, prefetch BACKWARD_PRE", forward_prefetch=False)
     before = r.planner().predict(r.cfg).peak_bytes
@@ -267,7 +267,7 @@ def test_cli_errors_name_the_flag_at_fault(argv, message, capsys):
 
 
 def test_device_memory_sizes_parse_binary_and_decimal():
-    from accel_flatshard.sizes import parse_size  # (also consolidate's --max-shard-size)
+    from accel_flatshard.core.sizes import parse_size  # (also consolidate's --max-shard-size)
 
     assert parse_size("80GiB") == parse_size("80G") == 80 * 2**30 and parse_size("24GB") == 24 * 10**9
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1e9") == 10**9
@@ -306,7 +306,7 @@ def _non_default(action) -> list:
 
 def _inputs(argv):
     """What the plan is computed from (nothing traced)."""
-    from accel_flatshard.plan.__main__ import build_parser, planned
+    from accel_flatshard.tools.plan_cli import build_parser, planned
 
     planner, cfg = planned(*build_parser().parse_known_args(argv))
     # (the options the planner never reads: loading and the checkpoint format)
@@ -318,7 +318,7 @@ def _inputs(argv):
 
 
 def test_every_launch_flag_is_planned_inert_or_refused():
-    from accel_flatshard.plan.launch import INERT, PLANNED, REFUSED
+    from accel_flatshard.tools.plan_launch import INERT, PLANNED, REFUSED
 
     assert not (set(PLANNED) & set(INERT) or set(PLANNED) & set(REFUSED) or set(INERT) & set(REFUSED))
     unclassified = [d for d in _launch_actions() if d not in {**PLANNED, **INERT, **REFUSED}
@@ -327,7 +327,7 @@ def test_every_launch_flag_is_planned_inert_or_refused():
 
 
 def _refused():
-    from accel_flatshard.plan.launch import INERT, PLANNED
+    from accel_flatshard.tools.plan_launch import INERT, PLANNED
 
     return sorted(d for d in _launch_actions() if d not in PLANNED and d not in INERT)
 
@@ -341,7 +341,7 @@ def test_a_refused_launch_flag_stops_the_plan_naming_it(dest, capsys):
 
 
 def _inert():
-    from accel_flatshard.plan.launch import INERT
+    from accel_flatshard.tools.plan_launch import INERT
 
     return sorted(d for d in _launch_actions() if d in INERT)
 
@@ -376,7 +376,7 @@ PLANNED_FLAGS = {  # each planned flag (or yaml key), set to something else than
 
 
 def test_every_planned_launch_flag_reaches_the_plan():
-    from accel_flatshard.plan.launch import PLANNED
+    from accel_flatshard.tools.plan_launch import PLANNED
 
     assert set(PLANNED_FLAGS) == set(PLANNED) - {"use_fsdp"}  # (the baseline's own flag)
     baseline = _inputs(TOY_LAUNCH)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.profiler import profile
 
-import accel_flatshard.profiler as profiler_module
+import accel_flatshard.tools.profiling as profiler_module
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.profiler import PHASE_ROWS, phase_table, start_from_env, step_phases, stop_env_profiler
-from accel_flatshard.device import CudaStreams, HostAdapter
+from accel_flatshard.tools.profiling import PHASE_ROWS, phase_table, start_from_env, step_phases, stop_env_profiler
+from accel_flatshard.core.device import CudaStreams, HostAdapter
 from dist_helpers import spawn
 from models import batches, gpt2
 

@@ -1,4 +1,4 @@
-"""accel_flatshard/quantize.py: block-wise int8 quantization for communication, one behaviour per test.
+"""accel_flatshard/core/int8.py: block-wise int8 quantization for communication, one behaviour per test.
 
 In-process and fast.  The error bound the module states (its docstring) is checked on chosen cases and, with
 hypothesis, over random lengths, block sizes, magnitudes and dtypes; the reduction helpers are checked with W
@@ -16,9 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from accel_flatshard.flat_param import FlatParamLayout
-from accel_flatshard.quantize import (QMAX, dequantize_blocks, quantize_blocks, quantize_for_reduction,
-                                      reduction_wire_bytes, shard_blocks, sum_dequantized, wire_bytes)
+from accel_flatshard.core.flat_param import FlatParamLayout
+from accel_flatshard.core.int8 import (QMAX,
+                                       dequantize_blocks,
+                                       quantize_blocks,
+                                       quantize_for_reduction,
+                                       reduction_wire_bytes,
+                                       shard_blocks,
+                                       sum_dequantized,
+                                       wire_bytes)
 
 SLACK = 1 + 2**-14  # float32 rounding of scale, quotient and product (module docstring)
 FLOOR = 2.0**-143  # absolute floor: subnormal scales only

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from accel_flatshard import FullyShardedDataParallel, MixedPrecision, transformer_auto_wrap_policy
-from accel_flatshard.quantize import wire_bytes
+from accel_flatshard.core.int8 import wire_bytes
 from dist_helpers import spawn
 from models import batches, global_mean, llama, param_groups, train
 
@@ -121,8 +121,10 @@ def _resume(rank, world_size, tmp, first, then):
     """Train 3 steps with ``first`` options, save (sharded model and optimizer), train 3 more; a fresh model with
     ``then`` options loads the checkpoint and trains the same 3.  Returns both runs' last 3 losses, and a run of
     ``then`` continued from the same weights without the detour through the files."""
-    from accel_flatshard.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
-                                            save_sharded_optimizer)
+    from accel_flatshard.state import (load_sharded_model,
+                                       load_sharded_optimizer,
+                                       save_sharded_model,
+                                       save_sharded_optimizer)
 
     data = batches(6, batch=world_size * 2)
     wrapped = _wrap(**first)
@@ -175,7 +177,7 @@ def test_a_non_finite_weight_is_an_error_naming_the_unit():
 
 
 def test_the_log_names_the_options_once(world_of_one, caplog):
-    with caplog.at_level(logging.WARNING, logger="accel_flatshard.fully_sharded"):
+    with caplog.at_level(logging.WARNING, logger="accel_flatshard.core.fully_sharded"):
         _wrap(**BOTH)
     lines = [r.getMessage() for r in caplog.records if "quantized communication" in r.getMessage()]
     assert lines == ["accel_flatshard: quantized communication on: int8 weights and int8 gradients, blocks of 256 "
@@ -187,7 +189,7 @@ def _compiled_and_generating(rank, world_size):
     within the int8 bound of the exact model's; ``generate()`` (gather-once, the int8 weights of training's forward)
     gives the same tokens whether it keeps every unit gathered or gathers per step."""
     from accel_flatshard import compile_model
-    from accel_flatshard.generation import set_generation_options
+    from accel_flatshard.features.generation import set_generation_options
 
     data = batches(3, batch=world_size * 2)
     eager, compiled = _wrap(**BOTH), _wrap(**BOTH)

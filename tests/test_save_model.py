@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_helpers import spawn
-from accel_flatshard.cli import main as cli_main
+from accel_flatshard.tools.cli import main as cli_main
 from launch_helpers import CPU_FSDP_YAML, SCRIPTS, ddp_reference, launch
 from models import gpt2, llama
 
@@ -186,7 +186,7 @@ def _contract_worker(rank, world_size, out_dir):
 
 def _main_only_full_state_dict(rank, wrapped):
     """What accelerator.get_state_dict / save_model run, called under `if is_main_process:`."""
-    from accel_flatshard.state_dict import full_state_dict
+    from accel_flatshard.state import full_state_dict
 
     error, seconds = None, 0.0
     if rank == 0:

@@ -24,12 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
-                                        save_sharded_optimizer)
-from accel_flatshard.state_dict import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
-                                        load_full_state_dict)
-from accel_flatshard.generation import (control_of, peak_held_bytes, set_generation_options,
-                                        trl_generation_context, trl_summon_full_params)
+from accel_flatshard.state import (load_sharded_model,
+                                   load_sharded_optimizer,
+                                   save_sharded_model,
+                                   save_sharded_optimizer)
+from accel_flatshard.state import (full_optim_state_dict,
+                                   full_state_dict,
+                                   load_full_optim_state_dict,
+                                   load_full_state_dict)
+from accel_flatshard.features.generation import (control_of,
+                                                 peak_held_bytes,
+                                                 set_generation_options,
+                                                 trl_generation_context,
+                                                 trl_summon_full_params)
 from models import batches, llama, llama_layer_class
 from sim_cuda import one_thread, simulate_cuda  # noqa: F401 - one_thread: a fixture
 
@@ -72,7 +79,7 @@ class NodeLocalGathers:
     group's."""
 
     def __init__(self, group):
-        from accel_flatshard.comm import Members
+        from accel_flatshard.core.comm import Members
 
         self._group, self.node = group, Members(None, 1, 0, 0)
 
@@ -245,7 +252,7 @@ def state_dicts(model, run):
 
 
 def checkpoint(model, run, kind):
-    """FULL and SHARDED saves and loads of the model and its optimizer (accel_flatshard.checkpoint)."""
+    """FULL and SHARDED saves and loads of the model and its optimizer (accel_flatshard.state)."""
     opt, x = _adamw(model), batches(2)
     losses = [_step(model, opt, x[0])]
     if kind == "full":

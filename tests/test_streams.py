@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 
 from accel_flatshard import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard import engine as engine_module
-from accel_flatshard.engine import Engine
-from accel_flatshard.options import FlatShardOptions
-from accel_flatshard.flat_param import FlatParameter
-from accel_flatshard.device import HIGH_PRIORITY, CudaStreams, HostAdapter
+from accel_flatshard.core import engine as engine_module
+from accel_flatshard.core.engine import Engine
+from accel_flatshard.core.options import FlatShardOptions
+from accel_flatshard.core.flat_param import FlatParameter
+from accel_flatshard.core.device import HIGH_PRIORITY, CudaStreams, HostAdapter
 from models import batches, llama, llama_layer_class
 from sim_cuda import SimulatedCuda, one_thread, sim_adapter, simulate_cuda  # noqa: F401 - one_thread: a fixture
 

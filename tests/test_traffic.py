@@ -48,7 +48,7 @@ def _counted_step(wrapped, x, rank, world_size):
     """One training forward and backward under the profiler: (all-gather collectives, unit gathers issued)."""
     from torch.profiler import profile
 
-    from accel_flatshard.profiler import step_phases
+    from accel_flatshard.tools.profiling import step_phases
 
     with profile() as prof:
         local = x.chunk(world_size)[rank]
@@ -171,8 +171,10 @@ def test_node_local_backward_gather_under_hybrid_sharding_trains_like_ddp():
 
 
 def _resume(rank, world_size, tmp):
-    from accel_flatshard.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
-                                            save_sharded_optimizer)
+    from accel_flatshard.state import (load_sharded_model,
+                                       load_sharded_optimizer,
+                                       save_sharded_model,
+                                       save_sharded_optimizer)
 
     data = batches(2 * STEPS, batch=world_size * 2)
 
@@ -249,7 +251,7 @@ def _profiled_bytes(rank, world_size):
     """The phase table's bytes per step against the group's counters over the same steps."""
     from torch.profiler import profile
 
-    from accel_flatshard.profiler import phase_table, step_phases
+    from accel_flatshard.tools.profiling import phase_table, step_phases
 
     data = batches(3, batch=world_size * 2)
     model = llama(n_layer=3)

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import ShardingStrategy  # noqa: E402
 from accel_flatshard import BackwardPrefetch  # noqa: E402
 from accel_flatshard.integrations import accelerate as acc_mod  # noqa: E402
 from accel_flatshard.integrations import config as cfg  # noqa: E402
-from accel_flatshard import patches  # noqa: E402
+from accel_flatshard.integrations import patches  # noqa: E402
 from accel_flatshard.integrations import state_io  # noqa: E402
 
 CONFIGS = REPO / "accelerate_configs"

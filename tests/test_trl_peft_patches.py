@@ -2,7 +2,7 @@
 import torch.nn as nn
 
 from accel_flatshard import FullyShardedDataParallel
-from accel_flatshard import patches
+from accel_flatshard.integrations import patches
 from dist_helpers import spawn
 from models import llama
 

@@ -8,7 +8,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
 from accel_flatshard import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from accel_flatshard.wrap import backward_reads_parameters, policy_of, select_units
+from accel_flatshard.core.wrap import backward_reads_parameters, policy_of, select_units
 from models import gpt2, llama
 
 
@@ -43,7 +43,7 @@ def test_size_policy_never_wraps_containers_and_matches_torch_recursion():
 def test_size_policy_of_an_accelerate_config_keeps_multihead_attention_whole_as_torch_does():
     """MultiheadAttention reads its out_proj's weight in its own forward, not through the submodule's: torch's
     size policy never looks inside it (FORCE_LEAF_MODULES).  The yaml's SIZE_BASED_WRAP maps to the same choice."""
-    from accel_flatshard.options import FlatShardOptions
+    from accel_flatshard.core.options import FlatShardOptions
 
     model = nn.Sequential(*(nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "mlp": nn.Linear(64, 64)})
                             for _ in range(2)))
@@ -76,11 +76,11 @@ class _UserNet(nn.Module):  # no _no_split_modules
 
 
 def test_without_no_split_modules_the_repeated_blocks_become_units_and_are_logged_once(caplog):
-    from accel_flatshard import wrap
+    from accel_flatshard.core import wrap
 
     wrap._LOGGED_CHOICES.clear()
     model = _UserNet()
-    with caplog.at_level(logging.WARNING, logger="accel_flatshard.wrap"):
+    with caplog.at_level(logging.WARNING, logger="accel_flatshard.core.wrap"):
         units = select_units(model, transformer_auto_wrap_policy(model))
         transformer_auto_wrap_policy(_UserNet())
     assert units == [model, *model.blocks]
@@ -89,11 +89,11 @@ def test_without_no_split_modules_the_repeated_blocks_become_units_and_are_logge
 
 
 def test_without_repeated_blocks_the_root_is_the_only_unit_and_that_is_logged(caplog):
-    from accel_flatshard import wrap
+    from accel_flatshard.core import wrap
 
     wrap._LOGGED_CHOICES.clear()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8))  # nothing repeats
-    with caplog.at_level(logging.WARNING, logger="accel_flatshard.wrap"):
+    with caplog.at_level(logging.WARNING, logger="accel_flatshard.core.wrap"):
         units = select_units(model, transformer_auto_wrap_policy(model))
     assert units == [model]
     assert "no repeated blocks" in caplog.text and "one unit for the whole model" in caplog.text

@@ -5,7 +5,7 @@ Three parts, each usable alone:
 * ``--train``: the run the figure shows, started by ``accelerate launch --config_file
   accelerate_configs/cpu_2proc.yaml tools/step_timeline.py --train ...`` with ``FLATSHARD_PROFILE=DIR``: a small
   Llama built from its config (nothing downloaded) trained for a few steps through accel_flatshard's Accelerator;
-  the engine's profiler writes ``DIR/flatshard_trace_rank{r}.json`` (accel_flatshard/profiler.py);
+  the engine's profiler writes ``DIR/flatshard_trace_rank{r}.json`` (accel_flatshard/tools/profiling.py);
 * :func:`timeline_rows`: a Chrome trace's ``flatshard::*`` spans of one step as rows per (rank, stream kind):
   compute (``forward[unit]`` / ``backward`` / the optimizer step), all-gather, reduce-scatter.  On CPU/gloo the
   "streams" are the asynchronous work handles: an all-gather row holds its issue (``all_gather[unit]``) and the

@@ -28,15 +28,16 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from .. import options, patches
-from .._compat import clamp_all_
-from ..compilation import compile_model
-from ..device import free_bytes
-from ..fully_sharded import FullyShardedDataParallel, check_not_wrapped
-from ..grad_norm import clip_grad_norm_
-from ..state_dict.model import find_wrapper, full_state_dict
-from ..options import FlatShardOptions
-from ..wrap import checkpoint_units, policy_of
+from ..core import options
+from . import patches
+from ..core._compat import clamp_all_
+from ..features.compilation import compile_model
+from ..core.device import free_bytes
+from ..core.fully_sharded import FullyShardedDataParallel, check_not_wrapped
+from ..core.grad_norm import clip_grad_norm_
+from ..core.model_state import find_wrapper, full_state_dict
+from ..core.options import FlatShardOptions
+from ..core.wrap import checkpoint_units, policy_of
 from . import state_io
 from .versions import check_versions
 from .config import build_plugin_without_device, fsdp_version, normalize_plugin_to_fsdp1

@@ -2,8 +2,8 @@
 
 Accelerate parses the yaml's ``fsdp_config`` (as ``FSDP_*`` variables) into a ``FullyShardedDataParallelPlugin``
 of torch FSDP objects; :func:`options_from_plugin` maps its fields (and accelerate's ``parallelism_config``) onto
-a frozen :class:`~accel_flatshard.options.FlatShardOptions`, over the ``FLATSHARD_*`` variables (what accelerate has no
-key for; validated in ``accel_flatshard.options``: a typo fails loudly).  Also here, as the one other reader of the
+a frozen :class:`FlatShardOptions`, over the ``FLATSHARD_*`` variables (what accelerate has no
+key for; validated in ``accel_flatshard.core.options``: a typo fails loudly).  Also here, as the one other reader of the
 environment: the plugin built on a host without an accelerator device (:func:`build_plugin_without_device`, and
 the ``__post_init__`` patch behind it), the launcher's world size, and :func:`options_from_launch_args` (what
 ``accel-flatshard plan`` wraps with).
@@ -26,10 +26,10 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
 
-from .. import options
-from ..fully_sharded import wants_offload
-from ..mixed_precision import MixedPrecision
-from ..options import BackwardPrefetch, FlatShardOptions
+from ..core import options
+from ..core.fully_sharded import wants_offload
+from ..core.mixed_precision import MixedPrecision
+from ..core.options import BackwardPrefetch, FlatShardOptions
 
 
 def fsdp_version(plugin: Any, environ: Optional[Mapping[str, str]] = None) -> int:

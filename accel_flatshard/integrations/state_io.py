@@ -31,14 +31,14 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import fsdp_utils as _accelerate_fsdp_utils
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
 
-from .. import comm
-from ..checkpoint import commit
-from ..checkpoint.atomic import remove_dir, write_atomic, write_json_atomic
-from ..checkpoint.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
-from ..checkpoint.sharded import model_entries, optimizer_entries, save_entries
-from ..fully_sharded import FullyShardedDataParallel
-from ..state_dict.model import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
-from ..state_dict.optim import full_optim_state_dict, load_full_optim_state_dict
+from ..core import comm
+from ..state import commit
+from ..state.atomic import remove_dir, write_atomic, write_json_atomic
+from ..state.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
+from ..state.sharded import model_entries, optimizer_entries, save_entries
+from ..core.fully_sharded import FullyShardedDataParallel
+from ..core.model_state import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
+from ..state.optim import full_optim_state_dict, load_full_optim_state_dict
 
 
 logger = logging.getLogger(__name__)

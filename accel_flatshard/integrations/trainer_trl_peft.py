@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from ..fully_sharded import FullyShardedDataParallel
+from ..core.fully_sharded import FullyShardedDataParallel
 
 
 

@@ -16,11 +16,11 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from .._compat import map_tensors, tensors_in
-from ..flat_param import FlatParamLayout
-from ..fully_sharded import assign_owners
-from ..options import BackwardPrefetch, FlatShardOptions
-from ..wrap import policy_of, select_units
+from ..core._compat import map_tensors, tensors_in
+from ..core.flat_param import FlatParamLayout
+from ..core.fully_sharded import assign_owners
+from ..core.options import BackwardPrefetch, FlatShardOptions
+from ..core.wrap import policy_of, select_units
 from . import run
 from .run import Prediction
 from .trace import _copy

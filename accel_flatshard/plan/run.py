@@ -12,17 +12,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import options as environment
-from .._compat import FakeTensorMode, fake_world, map_tensors, storage_key, tensors_in
-from ..checkpoint.commit import snapshot_bytes
-from ..checkpoint.sharded import model_entries, optimizer_entries
-from ..device import ADAPTER, CudaStreams, HostAdapter
-from ..fully_sharded import FullyShardedDataParallel
-from ..matrix_optim import matrix_optimizer_and_adamw, matrix_optimizer_classes
-from ..state_dict.model import full_state_dict
-from ..state_dict.optim import full_optim_state_dict
-from ..unit import UnitState
-from ..wrap import checkpoint_units, policy_of
+from ..core import options as environment
+from ..core._compat import FakeTensorMode, fake_world, map_tensors, storage_key, tensors_in
+from ..state.commit import snapshot_bytes
+from ..state.sharded import model_entries, optimizer_entries
+from ..core.device import ADAPTER, CudaStreams, HostAdapter
+from ..core.fully_sharded import FullyShardedDataParallel
+from ..features.matrix_optim import matrix_optimizer_and_adamw, matrix_optimizer_classes
+from ..core.model_state import full_state_dict
+from ..state.optim import full_optim_state_dict
+from ..core.unit import UnitState
+from ..core.wrap import checkpoint_units, policy_of
 from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .._compat import TorchDispatchMode, outside_dispatch_modes, storage_key, tensors_in
+from ..core._compat import TorchDispatchMode, outside_dispatch_modes, storage_key, tensors_in
 
 # ``aten._grouped_mm`` (transformers' MoE experts, its default ``experts_implementation``) on other than bf16 inputs
 # runs :func:`_grouped_mm_out`: torch's fake (meta) kernel accepts only bf16, its CPU kernel (and CUDA's since 2.10) any

@@ -4,7 +4,7 @@ end.  Launched with torchrun by tests/test_exit.py."""
 import torch
 import torch.distributed as dist
 
-from accel_flatshard.comm import ShardGroup
+from accel_flatshard.core.comm import ShardGroup
 
 dist.init_process_group("gloo")
 group = ShardGroup()

@@ -33,7 +33,7 @@ def die_once_exists(path: str) -> None:
 def install(point: str, n: int) -> None:
     import accelerate  # noqa: F401 - first, as the example imports it (accel_flatshard registers on its import)
 
-    from accel_flatshard.checkpoint import commit
+    from accel_flatshard.state import commit
 
     counts = {"steps": 0, "saves": 0}
     if point == "mid_step":

@@ -53,7 +53,7 @@ def main():
     if args.skip_generation:
         pass
     elif sharded:
-        from accel_flatshard.generation import control_of, set_generation_options, unit_bytes
+        from accel_flatshard.features.generation import control_of, set_generation_options, unit_bytes
 
         group = model.shard_group
         counter = {"n": 0}

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from accel_flatshard.checkpoint import newest_complete_checkpoint  # noqa: E402
+from accel_flatshard.state import newest_complete_checkpoint  # noqa: E402
 
 
 class Report(TrainerCallback):

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from . import run
+from ..plan import run
 
 MIB = 2**20
 _RANKS = ("black", "#1f77b4", "#2ca02c", "#d62728")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
-from . import patches
+from ..integrations import patches
 from .flat_param import FlatParameter
 
 

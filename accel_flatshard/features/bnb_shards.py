@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch.nn as nn
 
-from . import patches
-from .schedule import schedule_of
+from ..integrations import patches
+from ..core.schedule import schedule_of
 
 __all__ = ["state_precision_of_full_parameters", "is_bitsandbytes_blockwise", "keeping_gathered_4bit_weights",
            "install_for"]

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .atomic import ChecksummedFile
-from .format import CheckpointError
+from ..core.state_errors import CheckpointError
 
 METADATA_FILE = ".metadata"  # DCP's name for its metadata file
 Shape = Tuple[int, ...]
@@ -336,7 +336,7 @@ def _completed(value: Any) -> Future:
 class RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``write_data`` writes this rank's items one at a time, in DCP's format (one
     ``torch.save`` record per item at the offset recorded in ``_StorageInfo``), streaming each into a
-    :class:`~accel_flatshard.checkpoint.atomic.ChecksummedFile` that takes its CRC32 on the way, then fsyncs.
+    :class:`~accel_flatshard.state.atomic.ChecksummedFile` that takes its CRC32 on the way, then fsyncs.
     ``files`` is then ``{file: {"size": bytes, "items": [[offset, length, crc32], ...]}}`` (what ``flatshard.json``
     lists; a rank with no item writes no file)."""
 

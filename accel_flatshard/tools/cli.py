@@ -32,8 +32,8 @@ def _print_tensors(tensors: dict, indent: str = "") -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import read_checkpoint_info
-    from .checkpoint.offline import is_save_state_dir, read_save_state_info
+    from ..state import read_checkpoint_info
+    from ..state.offline import is_save_state_dir, read_save_state_info
 
     save_state = is_save_state_dir(args.checkpoint)
     info = (read_save_state_info if save_state else read_checkpoint_info)(args.checkpoint)
@@ -77,8 +77,8 @@ def _print_save_state(info: dict) -> None:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from .checkpoint import consolidate
-    from .checkpoint.offline import consolidate_save_state, is_save_state_dir
+    from ..state import consolidate
+    from ..state.offline import consolidate_save_state, is_save_state_dir
 
     run = consolidate_save_state if is_save_state_dir(args.checkpoint) else consolidate  # (its model)
     for f in run(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
@@ -110,11 +110,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``accel-flatshard`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:  # its flags include accelerate launch's own
-        from .plan.__main__ import main as plan
+        from .plan_cli import main as plan
 
         return plan(argv[1:])
     args = build_parser().parse_args(argv)
-    from .checkpoint import CheckpointError
+    from ..state import CheckpointError
 
     try:
         return args.func(args)

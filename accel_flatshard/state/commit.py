@@ -19,11 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .. import comm
-from ..device import HostAdapter
+from ..core import comm
+from ..core.device import HostAdapter
 from .atomic import remove_dir
 from .dcp import Entry, FlatRange
-from .format import CheckpointError
+from ..core.state_errors import CheckpointError
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def check_complete(directory: str) -> None:
         parent = os.path.dirname(os.path.abspath(directory))
         raise CheckpointError(
             f"{directory} is an incomplete checkpoint (its save was interrupted); missing: {', '.join(missing)}. "
-            f"Load the previous one: accel_flatshard.checkpoint.newest_complete_checkpoint({parent!r}) finds it")
+            f"Load the previous one: accel_flatshard.state.newest_complete_checkpoint({parent!r}) finds it")
 
 
 def _numbered_dirs(root: str, prefix: str) -> List[str]:
@@ -147,7 +147,7 @@ def snapshot_bytes(entries: Dict[str, Entry]) -> int:
 # ---------------------------------------------------------------------- the background writer
 @dataclass(frozen=True)
 class WriterGroup:
-    """What ``save_entries`` reads of a group (the attributes it reads of a :class:`~accel_flatshard.comm.ShardGroup`
+    """What ``save_entries`` reads of a group (the attributes it reads of a :class:`ShardGroup`
     too): the writer's own gloo group over every rank, this rank in it, its size, and the model's shard size."""
 
     world_group: Any

@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 
 from ..integrations.config import options_from_launch_args
-from ..sizes import parse_size
-from . import HARDWARE, Config, Planner, recommend, settings, step_time
-from .run import PERSISTENT
-from .trace import _copy
-from .launch import check_launch_args
+from ..core.sizes import parse_size
+from ..plan import HARDWARE, Config, Planner, recommend, settings, step_time
+from ..plan.run import PERSISTENT
+from ..plan.trace import _copy
+from .plan_launch import check_launch_args
 
 
 def _function(spec: str) -> Callable:
@@ -187,7 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.measured and not args.plot:
             raise ValueError("--measured is drawn with --plot FILE")
         if args.plot:
-            from .plot import plot_plan, read_measured
+            from .plan_plot import plot_plan, read_measured
 
             plot_plan(planner, cfg, args.plot, read_measured(args.measured) if args.measured else None)
         out = report(planner, cfg, memory)

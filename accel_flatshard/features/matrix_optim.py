@@ -37,12 +37,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
-from ._compat import step_without_hooks
-from .comm import ShardGroup
-from .engine import _wait
-from .profiler import span
-from .schedule import schedule_of
+from ..core import comm
+from ..core._compat import step_without_hooks
+from ..core.comm import ShardGroup
+from ..core.engine import _wait
+from ..core.spans import span
+from ..core.schedule import schedule_of
 
 __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
            "matrix_optimizer_and_adamw"]

@@ -33,7 +33,7 @@ import torch
 from ._compat import map_tensors
 from .comm import DONE  # (the adapter issues and waits for comm's collectives)
 from .flat_param import FlatParameter
-from .profiler import span
+from .spans import span
 
 # The adapter of engines made meanwhile (default: the device's); the memory planner's records memory (plan/run.py)
 ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", default=None)

@@ -14,15 +14,16 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.nn as nn
 
-from . import generation, patches, quantization
+from ..features import generation, bnb_shards as quantization
+from ..integrations import patches
 from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
 from .flat_param import FlatParameter, pack_gathered
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .options import FlatShardOptions
-from .profiler import start_from_env
-from .state_dict import model as model_state
+from ..tools.profiling import start_from_env
+from . import model_state as model_state
 from .schedule import Schedule
 from .unit import Unit
 from .wrap import Policy, select_units
@@ -51,7 +52,7 @@ class FullyShardedDataParallel(nn.Module):
             module, the current CUDA device.  A module elsewhere is copied there unit by unit.
         cpu_offload: torch FSDP's spelling of ``offload_params``: ``CPUOffload(offload_params=True)`` (ours or
             torch's), torch FSDP2's ``CPUOffloadPolicy`` or a bool.
-        options: a :class:`~accel_flatshard.options.FlatShardOptions` (default: from the ``FLATSHARD_*`` variables).
+        options: a :class:`FlatShardOptions` (default: from the ``FLATSHARD_*`` variables).
         **settings: any of its fields, overriding ``options``: ``reshard_after_forward`` (free gathered parameters after
             each unit's forward; False keeps them until backward, ZeRO-2 like), ``backward_prefetch``
             (``BackwardPrefetch.BACKWARD_PRE``, the default, ``BACKWARD_POST`` or None), ``forward_prefetch`` (default

@@ -21,7 +21,7 @@ from .engine import Engine
 from .flat_param import FlatParameter, gather_full
 from .options import BackwardPrefetch, FlatShardOptions
 from .outside_reads import enable_outside_reads
-from .profiler import begin_span, end_span
+from .spans import begin_span, end_span
 from .unit import Unit, UnitState
 
 _SCHEDULE_ATTR = "_flatshard_schedule"  # on each original parameter: a weak reference to its model's Schedule

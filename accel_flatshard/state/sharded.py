@@ -33,14 +33,24 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 
-from .. import comm
-from ..state_dict.model import ModelIndex, ParamInfo
-from ..state_dict.optim import (LOCAL, SCALAR, SHARDED, WHOLE, check_groups, decode_value, encode_groups,
-                                encode_value, optimizer_groups, sharded_local, state_schema, torch_state_dict)
+from ..core import comm
+from ..core.model_state import ModelIndex, ParamInfo
+from .optim import (LOCAL,
+                    SCALAR,
+                    SHARDED,
+                    WHOLE,
+                    check_groups,
+                    decode_value,
+                    encode_groups,
+                    encode_value,
+                    optimizer_groups,
+                    sharded_local,
+                    state_schema,
+                    torch_state_dict)
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
 from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
 from .dcp import storage_records
-from .format import CheckpointError, UnsafeCheckpointError, agree, dtype_to_str, str_to_dtype
+from ..core.state_errors import CheckpointError, UnsafeCheckpointError, agree, dtype_to_str, str_to_dtype
 
 
 META_FILE = "flatshard.json"

@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .. import comm
-from ..checkpoint.format import CheckpointError, dtype_to_str, str_to_dtype
-from .model import ModelIndex, ParamInfo, gather_full, plan_where_given
+from ..core import comm
+from ..core.state_errors import CheckpointError, dtype_to_str, str_to_dtype
+from ..core.model_state import ModelIndex, ParamInfo, gather_full, plan_where_given
 
 
 SHARDED, SCALAR, VALUE, WHOLE, LOCAL = "sharded", "scalar", "value", "whole", "local"

@@ -27,7 +27,7 @@ from .device import ADAPTER, CudaStreams, HostAdapter, advance, issued
 from .flat_param import FlatParameter
 from .offload import HostOffload
 from .options import FlatShardOptions
-from .profiler import span
+from .spans import span
 
 # Completing older reductions during backward frees their full gradients early (CPU, llama-40M: step peak 458 ->
 # 356 MiB, fewer page faults; CUDA: this many full gradients at the peak instead of DDP's all).

@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .. import comm, options
-from ..checkpoint.format import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
-from ..flat_param import gather_full  # (also for optim.py, which imports it from here)
+from . import comm, options
+from .state_errors import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
+from .flat_param import gather_full  # (also for optim.py, which imports it from here)
 
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"

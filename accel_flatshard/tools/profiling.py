@@ -1,56 +1,26 @@
-"""Profiling on torch.profiler: the engine's ``flatshard::*`` spans, the phase table, ``FLATSHARD_PROFILE``.
+"""Profiling sessions on torch.profiler: the phase table of the engine's spans, ``FLATSHARD_PROFILE``.
 
-The engine's ``record_function`` spans (one flag check when no profiler runs) show in a torch.profiler trace next
-to the real ops: ``forward`` / ``backward`` (``forward[unit]`` per unit), ``all_gather[unit]`` /
-``reduce_scatter[unit]`` (issuing), ``wait_*`` (the training thread blocked on communication: exposed) and
-``all_gather_rate_limit`` (the host waiting for freed gathered buffers, CUDA); :data:`_ENGINE_SPANS` maps them to
-the rows of :func:`phase_table`.  ``FLATSHARD_PROFILE=DIR`` (``1``: the table only) starts a profiler that steps
-at every optimizer step and every ``FLATSHARD_PROFILE_EVERY`` (N) steps writes ``DIR/flatshard_trace_rank{r}.json``
-and ``DIR/flatshard_phases_rank{r}.md`` for the last N - 1 steps (the first is warm-up); rank 0 prints the table.
+The engine's ``record_function`` spans (``core/spans.py``: one flag check when no profiler runs) show in a
+torch.profiler trace next to the real ops: ``forward`` / ``backward`` (``forward[unit]`` per unit), ``all_gather[unit]``
+/ ``reduce_scatter[unit]`` (issuing), ``wait_*`` (the training thread blocked on communication: exposed) and
+``all_gather_rate_limit`` (the host waiting for freed gathered buffers, CUDA); :data:`_ENGINE_SPANS` maps them to the
+rows of :func:`phase_table`.  ``FLATSHARD_PROFILE=DIR`` (``1``: the table only) starts a profiler that steps at every
+optimizer step and every ``FLATSHARD_PROFILE_EVERY`` (N) steps writes ``DIR/flatshard_trace_rank{r}.json`` and
+``DIR/flatshard_phases_rank{r}.md`` for the last N - 1 steps (the first is warm-up); rank 0 prints the table.
 """
 from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import itertools
 import os
 import statistics
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
-from torch.autograd.profiler import record_function
 
-from . import options
-from ._compat import profiler_enabled
-
-
-_NULL_CONTEXT = contextlib.nullcontext()
-
-
-def span(name: str, label: str = "") -> contextlib.AbstractContextManager:
-    """``record_function("flatshard::name[label]")`` while a torch profiler runs; else one shared no-op."""
-    if not profiler_enabled():
-        return _NULL_CONTEXT
-    return record_function(f"flatshard::{name}[{label}]" if label else f"flatshard::{name}")
-
-
-def begin_span(name: str) -> Optional[record_function]:
-    """Open a span that a later hook closes with :func:`end_span` (forward / backward phases)."""
-    return record_function(f"flatshard::{name}").__enter__() if profiler_enabled() else None
-
-
-def end_span(handle: Optional[record_function]) -> None:
-    if handle is not None:
-        handle.__exit__(None, None, None)
-
-
-def mark_sent(kind: str, intra: int, inter: int) -> None:
-    """A zero-length ``flatshard::sent[kind|intra|inter]`` marker of the bytes one collective sends from this rank
-    (inside / across machines), which :func:`step_phases` sums per step; nothing when no profiler runs."""
-    if profiler_enabled():
-        with record_function(f"flatshard::sent[{kind}|{intra}|{inter}]"):
-            pass
+from ..core import options
+from ..core._compat import profiler_enabled
 
 
 # the bytes a step sends, by kind (ShardGroup's labels) and machine: the rows under the phase table
@@ -195,7 +165,7 @@ def start_from_env(rank: int) -> Optional[Any]:
         if rank == 0:
             print(table, flush=True)
         if trace_dir:
-            from .checkpoint.atomic import write_atomic, write_text_atomic  # a reader never sees half a file
+            from ..state.atomic import write_atomic, write_text_atomic  # a reader never sees half a file
 
             os.makedirs(trace_dir, exist_ok=True)
             write_atomic(os.path.join(trace_dir, f"flatshard_trace_rank{rank}.json"), prof.export_chrome_trace)

@@ -135,44 +135,44 @@ PATCHES: Tuple[Patch, ...] = (
           "Accelerator gets accelerate's other checks as a multi-device state", "accelerate 1.10.1, 1.16",
           wraps_original=True, essential=False),
     Patch("trl_summon_full_params", "trl.distributed", "DistributedBackend.summon_full_params",
-          "accel_flatshard.generation:trl_summon_full_params",
+          "accel_flatshard.features.generation:trl_summon_full_params",
           "TRL's GRPO/RLOO wrap generate() in it; it finds no torch FSDP module in an accel_flatshard model and "
           "does nothing, so every decoding step would gather the whole model unit by unit (slow, not wrong)",
           "trl 1.16 (trl.distributed appeared in 1.6; before it GRPO calls torch's FSDP.summon_full_params, a "
           "no-op on our wrapper, and generate() still gathers once through the generate hook)",
           wraps_original=True, essential=False, optional_owner=True, introduced_in="1.6"),
     Patch("refuse_step_during_backward", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.schedule:refuse_step_during_backward",
+          "accel_flatshard.core.schedule:refuse_step_during_backward",
           "a step while a backward of a sharded model runs, or after one that raised, would use partial, unreduced "
           "gradients: it raises instead", _TORCH_HOOKS, hook=True, scope="wrapper"),
     Patch("matrix_optimizer_owner_computes", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.matrix_optim:owner_computes_step",
+          "accel_flatshard.features.matrix_optim:owner_computes_step",
           "torch.optim.Muon needs each matrix whole, and a rank holds 1-D slices of them (its step raised 'Param "
           "gradient must be a 2D matrix'): a Muon over sharded parameters computes each matrix's step on one owner "
           "rank, with Muon's own code, and its own step then runs over no parameters", _TORCH_HOOKS, hook=True,
           scope="wrapper"),
     Patch("bitsandbytes_state_precision", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.quantization:state_precision_of_full_parameters",
+          "accel_flatshard.features.bnb_shards:state_precision_of_full_parameters",
           "bitsandbytes' 8-bit optimizers choose 8-bit or 32-bit state by the size of the tensor they step, here a "
           "rank's piece: a parameter one process keeps in 8 bits got 32-bit state where its piece is small (more "
           "than 1/W of the state); before the first step each piece gets its full parameter's choice, through "
           "bitsandbytes' own per-parameter override", _TORCH_HOOKS, hook=True, scope="wrapper"),
     Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.offload:wait_for_copies_before_step",
+          "accel_flatshard.core.offload:wait_for_copies_before_step",
           "with CPU offload the step writes the host shards, which copies to the GPU may still read: the host "
           "waits for those copies first", _TORCH_HOOKS, hook=True, scope="offload"),
     Patch("offload_fused_adam", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.offload:prefer_fused_host_adam",
+          "accel_flatshard.core.offload:prefer_fused_host_adam",
           "with CPU offload onto a GPU the Adam/AdamW step runs on the host, where torch's default is its slowest "
           "variant: sets `fused=True` in the optimizer's param groups (unless foreach/fused were chosen) and "
           "`optimizer._step_supports_amp_scaling`, as torch does for fused optimizers (about 4x faster)",
-          _TORCH_HOOKS, hook=True, scope="offload", undo="accel_flatshard.offload:undo_fused_default"),
+          _TORCH_HOOKS, hook=True, scope="offload", undo="accel_flatshard.core.offload:undo_fused_default"),
     Patch("release_frozen_units", "torch.optim.optimizer", "register_optimizer_step_post_hook",
-          "accel_flatshard.generation:release_frozen_units",
+          "accel_flatshard.features.generation:release_frozen_units",
           "units a frozen model keeps gathered go stale when a step changes its shards (TRL's sync_ref_model writes "
           "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
     Patch("bitsandbytes_4bit_gathered_weights", "bitsandbytes.nn.modules", "fix_4bit_weight_quant_state_from_module",
-          "accel_flatshard.quantization:keeping_gathered_4bit_weights",
+          "accel_flatshard.features.bnb_shards:keeping_gathered_4bit_weights",
           "a 4-bit layer's forward finds the gathered view accel_flatshard installed as its weight without a quant "
           "state and registers a new Params4bit over it, replacing the sharded parameter (state dicts and "
           "checkpoints lose it); its CPU packing path (evaluation) rewrites data the next gather brings back: the "
@@ -184,7 +184,7 @@ PATCHES: Tuple[Patch, ...] = (
           "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.16",
           key="distributed_type", scope="fsdp_state"),
     Patch("elastic_attempt_store", "torch.distributed.rendezvous", "_rendezvous_handlers",
-          "accel_flatshard.comm:scoping_store_per_attempt",
+          "accel_flatshard.core.comm:scoping_store_per_attempt",
           "under torchelastic restarts (`--max_restarts` with the yaml's static rendezvous, or c10d's shared store) "
           "every attempt's workers share the agent's key-value store with no per-attempt prefix (torch >= 2.5): a "
           "restarted rank could read its dead peer's gloo address and fail or hang in init_process_group; each "

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict
 import torch
 import torch.nn as nn
 
-from ._compat import dynamo_counters
+from ..core._compat import dynamo_counters
 
 if TYPE_CHECKING:
-    from .fully_sharded import FullyShardedDataParallel
+    from ..core.fully_sharded import FullyShardedDataParallel
 
 _WARNED: set = set()
 _PROBES: Dict[type, Callable] = {}

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .. import comm
+from . import comm
 
 
 

@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..sizes import parse_size
+from ..core.sizes import parse_size
 from .atomic import write_atomic, write_json_atomic
-from .format import CheckpointError, dtype_to_str, str_to_dtype
+from ..core.state_errors import CheckpointError, dtype_to_str, str_to_dtype
 from .sharded import META_FILE, load_entries, open_checkpoint, read_meta
 
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ._compat import is_fake
 from .options import FlatShardOptions, env_flag
-from .profiler import mark_sent
-from .quantize import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
+from .spans import mark_sent
+from .int8 import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
 
 
 class _Works:

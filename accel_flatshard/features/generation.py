@@ -29,11 +29,12 @@ from typing import Any, Callable, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
-from . import device, patches
-from .options import FlatShardOptions
-from .schedule import Schedule
-from .state_dict.model import find_wrapper
-from .unit import ShardedState, Unit
+from ..core import device
+from ..integrations import patches
+from ..core.options import FlatShardOptions
+from ..core.schedule import Schedule
+from ..core.model_state import find_wrapper
+from ..core.unit import ShardedState, Unit
 
 _GENERATION_FIELDS = ("generation_mode", "generation_budget_mb", "keep_frozen_gathered")
 
