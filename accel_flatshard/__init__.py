@@ -1,4 +1,12 @@
-"""accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate."""
+"""accel_flatshard: fully sharded data parallel (ZeRO-3) training with flat parameters, for Accelerate.
+
+Importing the package also imports the modules that attach to every wrapped model through the registry
+(``core/registry.py``): gather-once generation and frozen models, owner-computes matrix optimizers, bitsandbytes'
+4-bit layers and 8-bit state, the ``FLATSHARD_PROFILE`` profiler.  None of them imports accelerate.
+"""
+from .features import generation, matrix_optim  # noqa: F401  (registry listeners, see above)
+from .integrations import bitsandbytes_shards  # noqa: F401
+from .tools import profiling  # noqa: F401
 from .core.fully_sharded import FullyShardedDataParallel
 from .core.grad_norm import clip_grad_norm_
 from .core.mixed_precision import MixedPrecision

@@ -1,4 +1,4 @@
-"""QLoRA under sharding (issue 44; ``accel_flatshard/features/bnb_shards.py``): a 4-bit base (nf4, ``bnb_4bit_quant_storage``
+"""QLoRA under sharding (issue 44; ``accel_flatshard/integrations/bitsandbytes_shards.py``): a 4-bit base (nf4, ``bnb_4bit_quant_storage``
 bf16, so the packed weights shard as bf16 with the other frozen parameters) with PEFT LoRA adapters on every linear
 layer of a tiny Llama, loaded with ``from_pretrained`` from a directory this file writes (no hub).
 

@@ -8,22 +8,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import types
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from ..features import generation, bnb_shards as quantization
-from ..integrations import patches
+from . import comm, model_state, registry
 from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
 from .flat_param import FlatParameter, pack_gathered
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .options import FlatShardOptions
-from ..tools.profiling import start_from_env
-from . import model_state as model_state
 from .schedule import Schedule
 from .unit import Unit
 from .wrap import Policy, select_units
@@ -31,7 +27,6 @@ from .wrap import Policy, select_units
 ParamInitFn = Callable[[nn.Module], None]
 logger = logging.getLogger(__name__)
 
-_UNIT_ATTR = "_flatshard_unit"
 _UNSET = object()  # backward_prefetch not given (None means no prefetch)
 
 
@@ -108,9 +103,7 @@ class FullyShardedDataParallel(nn.Module):
         elif settings:
             options = dataclasses.replace(options, **settings)
         self.options = options
-        if "wrapper" not in patches.INSTALLED:
-            patches.install("wrapper")  # the optimizer step hook that refuses steps during backward
-        quantization.install_for(module)  # bitsandbytes 4-bit layers: their forward on gathered views
+        registry.before_wrap(module, options)  # e.g. bitsandbytes' 4-bit layers compute on gathered views
         self.module = module
         self.shard_group = ShardGroup(process_group, options)
         device = _target_device(module, self.shard_group, device_id)
@@ -122,8 +115,6 @@ class FullyShardedDataParallel(nn.Module):
                              "backend for CUDA")
         self.shard_group.bind_device(device)
         mixed_precision, sync_module_states = options.mixed_precision, options.sync_module_states
-        if environment.get("FLATSHARD_PROFILE") is not None:  # one torch.profiler per process, on request
-            start_from_env(self.shard_group.world_rank)
         lossy = [what for what, on in (("int8 weights", options.quantized_all_gather),
                                        ("int8 gradients", options.quantized_reduce)) if on]
         if lossy and self.shard_group.world_rank == 0:  # (said once per model, in the run's log)
@@ -154,7 +145,6 @@ class FullyShardedDataParallel(nn.Module):
                 pack_gathered(flats)  # one gathered storage, one all-gather per pass (flat_param.py)
             unit = Unit(unit_module, names[id(unit_module)], flats, engine, unit_module is module,
                         options.reshard_after_forward)
-            unit_module.__dict__[_UNIT_ATTR] = unit
             schedule.add_unit(unit)
         buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None
         for owner in module.modules():
@@ -163,12 +153,13 @@ class FullyShardedDataParallel(nn.Module):
                     broadcast_tensor(self.shard_group.world_group, buf)
                 if buffer_dtype is not None and buf.is_floating_point():
                     owner._buffers[name] = buf.to(buffer_dtype)
-        # state_dict() gathers (collective); what it asks the schedule is handed down (state_dict/ sits below it)
-        model_state.install(self, schedule.units, lambda what: schedule.ensure_idle(what), lambda: schedule.is_summoned)
-        if callable(getattr(type(module), "generate", None)):  # gather-once generate() (generation.py)
-            module.__dict__["generate"] = types.MethodType(generation.generate_in_session, module)
-        if options.keep_frozen_gathered:
-            generation.control_of(self)  # its no-grad forwards keep units gathered from the first one
+        # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
+        # group and has no peers to wait for: no rendezvous for collective state dicts there
+        group = self.shard_group
+        real = group.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
+        record = registry.Prepared(self, schedule, comm.new_gloo_group(group.world_group) if real else None)
+        model_state.install(record)  # state_dict() of the module gathers (collective)
+        registry.register(record)  # after-wrap listeners: gather-once generate(), FLATSHARD_PROFILE, ...
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, engine: Engine) -> FlatParameter:
@@ -189,8 +180,6 @@ class FullyShardedDataParallel(nn.Module):
             broadcast_tensor(group.world_group, full)
         flat.set_local_shard_from_full(full)
         flat.point_params_at_shard()
-        for p in params:
-            p._flatshard_group = group  # lets clip_grad_norm_ find the shard group of a parameter
         return flat
 
     # ------------------------------------------------------------------ nn.Module surface
@@ -388,7 +377,8 @@ def check_not_wrapped(module: nn.Module) -> None:
 
     for name, sub in module.named_modules():
         fsdp2 = type(sub).__name__.startswith("FSDP") and hasattr(sub, "unshard")  # fully_shard's class swap
-        kind = ("accel_flatshard" if _UNIT_ATTR in sub.__dict__ or isinstance(sub, FullyShardedDataParallel) else
+        wrapped = registry.unit_of(sub) is not None or isinstance(sub, FullyShardedDataParallel)
+        kind = ("accel_flatshard" if wrapped else
                 "torch DistributedDataParallel" if isinstance(sub, DistributedDataParallel) else
                 "torch FullyShardedDataParallel (FSDP1)" if isinstance(sub, TorchFSDP) else
                 "torch fully_shard (FSDP2)" if fsdp2 else None)

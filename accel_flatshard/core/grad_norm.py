@@ -6,6 +6,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import registry
 from .comm import ShardGroup
 
 
@@ -29,8 +30,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     groups: Dict[int, Tuple[ShardGroup, List[torch.Tensor]]] = {}  # shard group -> its gradients (this rank's)
     replicated: List[torch.Tensor] = []  # one pass per step over the parameters: sharded or replicated
     for p in parameters:
-        owner = getattr(p, "_flatshard_group", None)
-        if owner is not None:  # (without a gradient too: its group's all-reduce runs on every rank)
+        record = registry.record_of_param(p)
+        if record is not None:
+            owner = record.shard_group  # (without a gradient too: its group's all-reduce runs on every rank)
             owner = group or owner
             grads = groups.setdefault(id(owner), (owner, []))[1]
             if p.grad is not None:

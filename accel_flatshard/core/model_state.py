@@ -15,7 +15,8 @@ torch FSDP's default ``FULL_STATE_DICT`` with ``rank0_only=True, offload_to_cpu=
 * this rank's slices go by explicit names: ``wrapper.local_state_dict()`` / ``load_local_state_dict()`` (same
   world size and rank) and, inside, the context :func:`local_slices`.
 
-:func:`install` stores the record in the modules' ``__dict__``: a dropped model leaves nothing behind.
+:func:`install` registers the state-dict hook; the model's record (its wrapper, schedule, shard group and
+rendezvous group) is the registry's (``core/registry.py``).
 """
 from __future__ import annotations
 
@@ -28,69 +29,29 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm, options
-from .state_errors import CheckpointError, agree, dtype_to_str  # (format.py imports nothing above comm)
-from .flat_param import gather_full  # (also for optim.py, which imports it from here)
+from . import comm, options, registry
+from .flat_param import gather_full
+from .registry import record_of
+from .state_errors import CheckpointError, agree, dtype_to_str  # (also for optim.py, which imports it from here)
 
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
 # how long ranks other than 0 wait for rank 0 (which often arrives late: it writes config files first)
 _PEER_TIMEOUT = datetime.timedelta(minutes=30)
-_ATTR = "_flatshard_record"
 # what nn.Module.load_state_dict returns (its own class is private); accelerate's load_fsdp_model returns it too
 LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
 
 
 # ---------------------------------------------------------------------- which wrapper shards a module
-class ShardedModuleRecord:
-    """The wrapper of a sharded module (the module's parameters stay shards as long as it lives, so the wrapper
-    that can gather them must live as long), its schedule, the gloo rendezvous group, the slices depth."""
-
-    def __init__(self, wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None],
-                 is_summoned: Callable[[], bool]) -> None:
-        self.wrapper = lambda: wrapper
-        self.module, self.units = wrapper.module, units  # what the state-dict and checkpoint code reads
-        # handed down by the wrapper (state_dict/ sits below the schedule): ``ensure_idle(what)`` refuses during
-        # forward/backward and drains; ``is_summoned()``: the parameters are full now
-        self.ensure_idle, self.is_summoned = ensure_idle, is_summoned
-        self.local_depth = 0  # > 0 while a caller wants this rank's slices
-        self.group = group = wrapper.shard_group
-        # torch's fake process group (one process emulating W ranks, for memory checks) cannot build a gloo
-        # group and has no peers to wait for: no rendezvous there
-        real = group.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
-        self.gloo_group = comm.new_gloo_group(group.world_group) if real else None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "accel_flatshard: pickling a sharded model (e.g. torch.save(model)) would store this rank's 1-D "
-            "slices of its parameters; save its state dict instead (`state = accelerator.unwrap_model(model)"
-            ".state_dict()` on every rank, `torch.save(state, path)` on the main process) or use save_pretrained")
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedModuleRecord":
-        # a deep copy of the module is a separate, unsharded-looking model: it must not gather ours
-        copy = object.__new__(ShardedModuleRecord)
-        copy.__dict__.update(self.__dict__, wrapper=lambda: None, module=None, units=[])  # (nor keep ours alive)
-        return copy
-
-
-def install(wrapper: nn.Module, units: List[Any], ensure_idle: Callable[[str], None],
-            is_summoned: Callable[[], bool]) -> None:
-    """Record ``wrapper`` (its module and ``units``, and its schedule's ``ensure_idle`` and ``is_summoned``) on itself
-    and its module and make the module's ``state_dict()`` the full one (collective at wrap time: it creates a gloo
-    group over the model's ranks)."""
-    record = ShardedModuleRecord(wrapper, units, ensure_idle, is_summoned)
-    wrapper.__dict__[_ATTR] = wrapper.module.__dict__[_ATTR] = record
-    wrapper.module.register_state_dict_post_hook(_full_state_dict_hook)
-
-
-def record_of(module: Any) -> Optional[ShardedModuleRecord]:
-    return getattr(module, "__dict__", {}).get(_ATTR)
+def install(record: registry.Prepared) -> None:
+    """Make the module's ``state_dict()`` the full one (collective) for the model of ``record``."""
+    record.module.register_state_dict_post_hook(_full_state_dict_hook)
 
 
 def find_wrapper(module: Any) -> Optional[nn.Module]:
     """The accel_flatshard wrapper of ``module`` (the wrapper itself or the module it wraps), else None."""
     record = record_of(module)
-    return None if record is None else record.wrapper()
+    return None if record is None else record.wrapper
 
 
 @contextlib.contextmanager
@@ -111,7 +72,7 @@ def require_all_ranks(wrapper: nn.Module, what: str) -> None:
     record = record_of(wrapper)
     if record is None or record.gloo_group is None:
         return
-    timeout_s, group = options.get(TIMEOUT_ENV), record.group
+    timeout_s, group = options.get(TIMEOUT_ENV), record.shard_group
     timeout = datetime.timedelta(seconds=timeout_s) if group.world_rank == 0 else _PEER_TIMEOUT
     problem = comm.rendezvous_or_fail(record.gloo_group, timeout)
     if problem is not None:
@@ -156,11 +117,11 @@ class ModelIndex:
 
     def __init__(self, model: nn.Module, what: str) -> None:
         record = record_of(model)
-        if record is None or record.wrapper() is not model:
+        if record is None or record.wrapper is not model:
             raise TypeError(f"expected an accel_flatshard FullyShardedDataParallel model, got {type(model).__name__}")
-        record.ensure_idle(what)
+        record.schedule.ensure_idle(what)
         self.module: nn.Module = record.module
-        self.group = record.group
+        self.group = record.shard_group
         self.flat_params = [flat for unit in record.units for flat in unit.flat_params]
         by_id = {id(p) for flat in self.flat_params for p in flat.params}
         names: Dict[int, List[str]] = {}
@@ -317,11 +278,10 @@ def _validate(index: ModelIndex, sd: Dict[str, Any], strict: bool) -> Dict[str, 
 def _full_state_dict_hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """The state-dict post-hook on the user's module: replaces this rank's slices by the full values."""
     record = record_of(module)
-    wrapper = record.wrapper() if record is not None else None
-    if wrapper is None or record.local_depth > 0 or record.is_summoned():
+    if record is None or record.local_depth > 0 or record.schedule.is_summoned:
         return
-    full = full_state_dict(wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
-    if record.group.world_rank == 0:
+    full = full_state_dict(record.wrapper, rank0_only=True, cpu_offload=True)  # rendezvous + gather
+    if record.shard_group.world_rank == 0:
         for key, value in full.items():
             state_dict[prefix + key] = value  # existing keys: order is kept
     else:
@@ -339,7 +299,7 @@ def load_state_dict(wrapper: nn.Module, state_dict: Optional[Dict[str, Any]], st
     """The wrapper's ``load_state_dict``: a full dict, resharded (collective outside ``summon_full_params``)."""
     if assign:
         raise ValueError("load_state_dict(assign=True) would detach parameters from their shards")
-    if record_of(wrapper).is_summoned():
+    if record_of(wrapper).schedule.is_summoned:
         return wrapper.module.load_state_dict(state_dict, strict=strict)
     rank = wrapper.shard_group.world_rank
     given = state_dict if (state_dict or rank == 0) else None  # rank 0's state_dict() result elsewhere is {}

@@ -8,8 +8,8 @@ holds only what is in flight (a unit's copied shard until gathered, gathered uni
 shard until its copy to the host is issued, activations).  The engine moves them on its side streams through the
 device adapter (``to_device`` / ``to_host`` / ``host_empty``; which stream, and who waits for a copy:
 docs/ARCHITECTURE.md section 5); reduced shards land in :meth:`HostOffload.grad_target`.  On a CPU device the host
-*is* the device: nothing is pinned.  The two optimizer step pre-hooks below (wait for the copies to the device,
-which read the host shards; a fused host Adam) are ``patches.py`` entries, installed with the first offloaded model.
+*is* the device: nothing is pinned.  The two optimizer step handlers below (wait for the copies to the device,
+which read the host shards; a fused host Adam) run from the registry's step hook (``core/registry.py``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
-from ..integrations import patches
+
+from . import registry
 from .flat_param import FlatParameter
 
 
@@ -41,7 +42,6 @@ class HostOffload:
         # every host buffer allocated (all persistent: reused, never freed while the model lives)
         self.host_buffers: List[torch.Tensor] = []
         _LIVE.add(self)
-        patches.install("offload")  # (idempotent)
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.host_buffers.append(self.streams.host_empty(numel, dtype))
@@ -51,8 +51,6 @@ class HostOffload:
         """Give ``flat`` a host (pinned) ``local_shard``, before it is filled and the parameters point at it."""
         flat.local_shard = self._host_empty(flat.layout.shard_numel, flat.dtype).zero_()
         flat.keep_grad_buffer = True
-        for p in flat.params:
-            p._flatshard_offload = self  # the optimizer step pre-hook below finds offloaded parameters
 
     def wait_for_host_to_device_copies(self) -> None:
         """Before the host writes the host shards: wait until the copies to the device issued so far read them."""
@@ -82,14 +80,13 @@ class HostOffload:
         self._handed.clear()
 
 
-# ---------------------------------------------------------------------- the host optimizer step
-# Process-wide on purpose: wait_for_copies_before_step is torch's process-wide step hook, and any optimizer's step
-# may write another model's host shards (TRL's sync_ref_model after the policy's step).  Weak: a dropped model leaves
-# nothing.
+# ---------------------------------------------------------------------- the host optimizer step Process-wide on
+# purpose: any step of an optimizer over sharded parameters may write another model's host shards (TRL's sync_ref_model
+# after the policy's step).  Weak: a dropped model leaves nothing.
 _LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
 
 
-def wait_for_copies_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def wait_for_copies_before_step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
     """Any step may write offloaded shards on the host (TRL's ``sync_ref_model`` writes a reference's after it)."""
     for offload in list(_LIVE):
         offload.wait_for_host_to_device_copies()
@@ -102,7 +99,7 @@ _FAST_HOST_STEP_WARNED = False
 _MADE_FUSED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
-def prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def prefer_fused_host_adam(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
     """Offload onto a GPU moved the user's (Adam/AdamW) step to the host, where torch's default is its
     slowest variant: use the fused CPU kernel instead, unless the user chose ``foreach`` or ``fused``."""
     global _FAST_HOST_STEP_WARNED
@@ -111,7 +108,7 @@ def prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     for group in optimizer.param_groups:
         if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
             continue
-        offloaded = [getattr(p, "_flatshard_offload", None) for p in group["params"]]
+        offloaded = [getattr(registry.record_of_param(p), "offload", None) for p in group["params"]]
         if not offloaded or not all(o is not None and o.streams.stream_ordered for o in offloaded):
             continue
         group["fused"] = True
@@ -125,10 +122,5 @@ def prefer_fused_host_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                           stacklevel=3)
 
 
-def undo_fused_default() -> None:
-    """``patches.uninstall()``: the optimizers :func:`prefer_fused_host_adam` changed get torch's default back."""
-    for optimizer, groups in list(_MADE_FUSED.items()):
-        for group in groups:
-            group["fused"] = None
-        optimizer.__dict__.pop("_step_supports_amp_scaling", None)
-    _MADE_FUSED.clear()
+registry.on_step(pre=wait_for_copies_before_step)
+registry.on_step(pre=prefer_fused_host_adam)

@@ -13,17 +13,16 @@ from typing import Any, Dict, Tuple
 
 import torch.nn as nn
 
-from .unit import Unit
+# module.__dict__ key: {attribute name: (schedule, unit owning it)}; in the module itself (not a registry), so the
+# miss path is one dict lookup and a dropped module takes it along
+_READS_ATTR = "_flatshard_outside_reads"
+_READING_CLASSES: Dict[type, type] = {}  # user's class -> our subclass of it
+_NO_READS: Dict[str, Tuple[Any, Any]] = {}
 
-_READS_ATTR = "_flatshard_outside_reads"  # module.__dict__ key: {attribute name: (schedule, unit owning it)}
-_CLASS_MARK = "_flatshard_reading_class"
-_READING_CLASSES: Dict[type, type] = {}
-_NO_READS: Dict[str, Tuple[Any, Unit]] = {}
 
-
-def enable_outside_reads(schedule: Any, unit: Unit) -> None:
-    """Route reads of ``unit``'s parameters by its modules' attributes to ``schedule`` (a ``schedule.Schedule``,
-    which imports this module) when normal lookup misses."""
+def enable_outside_reads(schedule: Any, unit: Any) -> None:
+    """Route reads of ``unit``'s (a ``unit.Unit``) parameters by its modules' attributes to ``schedule`` (a
+    ``schedule.Schedule``, which imports this module) when normal lookup misses."""
     for flat in unit.flat_params:
         for users in flat.users:
             for module, name in users:
@@ -35,7 +34,7 @@ def enable_outside_reads(schedule: Any, unit: Unit) -> None:
 
 
 def _reading_class(cls: type) -> type:
-    if cls.__dict__.get(_CLASS_MARK):
+    if cls in _READING_CLASSES.values():  # never subclassed twice
         return cls
     sub = _READING_CLASSES.get(cls)
     if sub is not None:
@@ -53,6 +52,6 @@ def _reading_class(cls: type) -> type:
         return base_getattr(self, name)
 
     sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, _CLASS_MARK: True})  # never subclassed twice
+                                      "__qualname__": cls.__qualname__})
     _READING_CLASSES[cls] = sub
     return sub

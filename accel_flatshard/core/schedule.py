@@ -19,12 +19,12 @@ import torch.nn as nn
 from ._compat import inside_backward_pass, map_tensors, queue_end_of_backward_callback, tensors_in
 from .engine import Engine
 from .flat_param import FlatParameter, gather_full
+from . import registry
 from .options import BackwardPrefetch, FlatShardOptions
 from .outside_reads import enable_outside_reads
 from .spans import begin_span, end_span
 from .unit import Unit, UnitState
 
-_SCHEDULE_ATTR = "_flatshard_schedule"  # on each original parameter: a weak reference to its model's Schedule
 
 
 class Schedule:
@@ -60,10 +60,6 @@ class Schedule:
         return {id(p): (flat, i) for unit in self.units for flat in unit.flat_params for i, p in enumerate(flat.params)}
 
     def add_unit(self, unit: Unit) -> None:
-        me = weakref.ref(self)  # (held by parameters: no cycle that keeps a dropped model alive)
-        for flat in unit.flat_params:
-            for p in flat.params:
-                setattr(p, _SCHEDULE_ATTR, me)  # refuse_step_during_backward finds the schedule of a stepped param
         pre_forward = functools.partial(self._pre_forward, unit)
         unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -397,19 +393,11 @@ class Schedule:
                 unit.state = state
 
 
-def schedule_of(param: torch.Tensor) -> Optional[Schedule]:
-    """The Schedule of the live model that shards ``param`` (one of its original parameters), else None."""
-    ref = getattr(param, _SCHEDULE_ATTR, None)
-    return ref() if ref is not None else None
-
-
-def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook (an entry of ``patches.py``): no step on gradients of an unfinished backward."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            schedule = schedule_of(p)
-            if schedule is None or not schedule.in_backward:
-                continue
+def refuse_step_during_backward(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """Before every step of an optimizer over sharded parameters (``registry.on_step``): no step on gradients of an
+    unfinished backward."""
+    for record in records:
+        if record.schedule.in_backward:
             if inside_backward_pass():
                 raise RuntimeError(
                     "optimizer.step() was called while a backward of an accel_flatshard model is still running: its "
@@ -418,3 +406,6 @@ def refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwa
             raise RuntimeError(
                 "optimizer.step() after a backward that did not complete (it raised): the gradients are partial and "
                 "unreduced. Run forward and backward again before stepping.")
+
+
+registry.on_step(pre=refuse_step_during_backward)

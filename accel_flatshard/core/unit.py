@@ -13,7 +13,6 @@ from typing import Any, List
 
 import torch.nn as nn
 
-from .engine import Engine
 from .flat_param import FlatParameter
 from .wrap import backward_reads_parameters
 
@@ -41,12 +40,12 @@ class UnitStateError(RuntimeError):
 class Unit:
     """One module, the flat parameters it owns, and its state."""
 
-    def __init__(self, module: nn.Module, name: str, flat_params: List[FlatParameter], engine: Engine,
+    def __init__(self, module: nn.Module, name: str, flat_params: List[FlatParameter], engine: Any,
                  is_root: bool, reshard_after_forward: bool) -> None:
         self.module = module
         self.name = name or "<root>"
         self.flat_params = flat_params
-        self.engine = engine
+        self.engine = engine  # the model's engine.Engine (not imported: the schedule builds on both)
         self.is_root = is_root
         self.reshard_after_forward = reshard_after_forward and not is_root
         # an untied input embedding: its backward needs no parameters, so it is not gathered for it (wrap.py)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, List, Tuple
@@ -29,11 +30,9 @@ from typing import Any, Callable, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..core import device
-from ..integrations import patches
+from ..core import device, registry
 from ..core.options import FlatShardOptions
 from ..core.schedule import Schedule
-from ..core.model_state import find_wrapper
 from ..core.unit import ShardedState, Unit
 
 _GENERATION_FIELDS = ("generation_mode", "generation_budget_mb", "keep_frozen_gathered")
@@ -65,13 +64,12 @@ def plan_kept_units(units: List[Unit], budget: int, forward_prefetch: bool, mast
 
 
 class GenerationControl:
-    """Per wrapped model: its options (the generation fields of its ``FlatShardOptions``), the warnings said once,
-    the units kept gathered now."""
+    """Per wrapped model (its registry record's ``generation``): the warnings said once, the units kept gathered
+    now.  Its options are the generation fields of the wrapper's ``FlatShardOptions``, read there."""
 
-    def __init__(self, wrapper: nn.Module, options: FlatShardOptions) -> None:
+    def __init__(self, wrapper: nn.Module) -> None:
         self._wrapper = weakref.ref(wrapper)
         self.schedule: Schedule = wrapper.schedule  # (it holds no reference to the wrapper)
-        self.options = options
         self.active = False
         self._said: set = set()
         self._frozen_hook: Any = None  # the root pre-forward hook of keep_frozen_gathered, while it is on
@@ -82,6 +80,10 @@ class GenerationControl:
         wrapper = self._wrapper()
         assert wrapper is not None
         return wrapper
+
+    @property
+    def options(self) -> FlatShardOptions:
+        return self.wrapper.options
 
     def budget(self) -> int:
         """Collective: the smallest of the ranks' budgets (different plans would issue different gathers: a hang)."""
@@ -148,7 +150,6 @@ class GenerationControl:
     def sync_frozen_hook(self) -> None:
         """The root pre-forward hook of ``keep_frozen_gathered`` is registered while the option is on."""
         if self.options.keep_frozen_gathered and self._frozen_hook is None:
-            patches.install("frozen")  # the optimizer step post-hook that releases the kept units
             self._frozen_hook = self.wrapper.module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
         elif not self.options.keep_frozen_gathered and self._frozen_hook is not None:
             self._frozen_hook.remove()
@@ -159,8 +160,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-_CONTROL_ATTR = "_flatshard_generation"
-# Process-wide on purpose: release_frozen_units is torch's process-wide step hook, and a step of one model's optimizer
+# Process-wide on purpose: release_frozen_units runs after every step over sharded parameters, and a step of one model's
+# optimizer
 # must release every frozen model's kept units (TRL's sync_ref_model writes the reference's shards after the policy's
 # step).  Weak: a dropped model leaves nothing; each control is otherwise its own model's object.
 _CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
@@ -168,16 +169,14 @@ _CONTROLS: "weakref.WeakSet[GenerationControl]" = weakref.WeakSet()
 
 def control_of(model: nn.Module) -> GenerationControl:
     """The generation control of a wrapped model (or of the unwrapped module inside it), made at its first use."""
-    control = model.__dict__.get(_CONTROL_ATTR) or getattr(model, _CONTROL_ATTR, None)
-    if control is None:
-        wrapper = find_wrapper(model)
-        if wrapper is None:
-            raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
-        control = GenerationControl(wrapper, wrapper.schedule.options)
-        wrapper.__dict__[_CONTROL_ATTR] = wrapper.module.__dict__[_CONTROL_ATTR] = control
+    record = registry.record_of(model)
+    if record is None:
+        raise ValueError(f"{type(model).__name__} is not wrapped by accel_flatshard")
+    if record.generation is None:
+        record.generation = control = GenerationControl(record.wrapper)
         control.sync_frozen_hook()
         _CONTROLS.add(control)
-    return control
+    return record.generation
 
 
 def set_generation_options(model: nn.Module, **changes: Any) -> FlatShardOptions:
@@ -187,7 +186,8 @@ def set_generation_options(model: nn.Module, **changes: Any) -> FlatShardOptions
     unknown = set(changes) - set(_GENERATION_FIELDS)
     if unknown:
         raise TypeError(f"unknown generation options {sorted(unknown)}; known: {list(_GENERATION_FIELDS)}")
-    control.options = dataclasses.replace(control.options, **changes)  # (invalid values raise there)
+    # the wrapper's options are the one copy (the schedule reads no generation field)
+    control.wrapper.options = dataclasses.replace(control.options, **changes)  # (invalid values raise there)
     control._said.clear()
     control.sync_frozen_hook()
     return control.options
@@ -209,7 +209,7 @@ def generate_in_session(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
     """Root pre-forward hook (after the root unit's) of ``keep_frozen_gathered``: a no-grad forward keeps the
     planned units gathered for the following ones; a forward with grad releases them first."""
-    control: GenerationControl = module.__dict__[_CONTROL_ATTR]
+    control: GenerationControl = registry.record_of(module).generation
     if control.active:
         return
     if torch.is_grad_enabled():
@@ -218,8 +218,9 @@ def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
         control.schedule.keep(control.plan())
 
 
-def release_frozen_units(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step post-hook (``patches.py``): any step may change shards, so frozen models' units are freed."""
+def release_frozen_units(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """After every step over sharded parameters (``registry.on_step``): it may change shards, so frozen models'
+    units are freed."""
     for control in list(_CONTROLS):
         if not control.active:
             control.schedule.release()
@@ -234,7 +235,7 @@ def trl_summon_full_params(original: Callable) -> Callable:
     @functools.wraps(original)
     @contextlib.contextmanager
     def summon_full_params(self: Any, module: nn.Module, **kwargs: Any) -> Iterator[None]:
-        ours = find_wrapper(module) is not None
+        ours = registry.record_of(module) is not None
         with trl_generation_context(module, **kwargs) if ours else original(self, module, **kwargs):
             yield
 
@@ -251,3 +252,17 @@ def trl_generation_context(wrapper: nn.Module, recurse: bool = True, writeback: 
     everything = len(kept) == len(control.schedule.units)  # (mode full: plan() keeps every unit)
     with control.schedule.summon(writeback=False) if everything else control.session():
         yield
+
+
+def _on_wrap(record: registry.Prepared) -> None:
+    """After a model is wrapped: its module's ``generate()`` runs in a session (gather-once), and with
+    ``keep_frozen_gathered`` its no-grad forwards keep units gathered from the first one."""
+    module = record.module
+    if callable(getattr(type(module), "generate", None)):
+        module.__dict__["generate"] = types.MethodType(generate_in_session, module)
+    if record.wrapper.options.keep_frozen_gathered:
+        control_of(record.wrapper)
+
+
+registry.on_step(post=release_frozen_units)
+registry.on_wrap(after=_on_wrap)

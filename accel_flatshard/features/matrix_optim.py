@@ -3,7 +3,7 @@ one rank of the shard group, its owner ("owner computes").
 
 Muon orthogonalises each matrix's momentum (Newton-Schulz), which needs the matrix whole, while a rank holds a 1-D
 slice that may cut it anywhere (``flat_param.py``).  A Muon over sharded parameters is found at its first step by
-the optimizer step pre-hook :func:`owner_computes_step` (an entry of ``patches.py``), whatever built or wrapped it
+:func:`owner_computes_step`, run before every step by the registry's optimizer hook, whatever built or wrapped it
 (``accelerator.prepare``, the Trainer's ``optimizers=``, a bare wrapper).  Then, at every step:
 
 * each matrix has an owner, a rank of its shard group, balanced by size (:func:`assign_owners`);
@@ -37,17 +37,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..core import comm
+from ..core import comm, registry
 from ..core._compat import step_without_hooks
 from ..core.comm import ShardGroup
 from ..core.engine import _wait
 from ..core.spans import span
-from ..core.schedule import schedule_of
 
 __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
            "matrix_optimizer_and_adamw"]
 
-_ATTR = "_flatshard_owner_computes"  # the user's optimizer's OwnerComputes, in its __dict__
+# the user's optimizer -> its OwnerComputes (which holds the optimizer weakly: a dropped optimizer leaves nothing)
+_OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OwnerComputes]" = weakref.WeakKeyDictionary()
 # hyperparameters a scheduler changes every step: they cannot make Muon raise, so they do not re-run the dry run
 _SCHEDULED = ("lr", "weight_decay", "momentum")
 
@@ -103,16 +103,16 @@ def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:
 
 def owner_computes_of(optimizer: torch.optim.Optimizer) -> Optional["OwnerComputes"]:
     """The :class:`OwnerComputes` stepping ``optimizer`` (after its first step), else None."""
-    return optimizer.__dict__.get(_ATTR)
+    return _OWNERS.get(optimizer)
 
 
-def owner_computes_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook (an entry of ``patches.py``): a Muon over sharded parameters steps owner-computes;
-    any other optimizer, or a Muon over unsharded parameters, is left alone."""
+def owner_computes_step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """Before every step over sharded parameters (``registry.on_step``): a Muon steps owner-computes; any other
+    optimizer is left alone."""
     classes = matrix_optimizer_classes()
     if not classes or not isinstance(optimizer, classes):
         return
-    owner = optimizer.__dict__.get(_ATTR)
+    owner = _OWNERS.get(optimizer)
     if owner is None or owner.stale():
         if owner is not None:
             owner.detach()
@@ -126,15 +126,17 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
     """Plan ``optimizer``'s matrices (collective over the shard group when state must move); None when none of its
     parameters is sharded."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = {id(g): g for g in (getattr(p, "_flatshard_group", None) for p in params) if g is not None}
-    if not groups:
+    records = [registry.record_of_param(p) for p in params]
+    models = {id(r): r for r in records if r is not None}
+    if not models:
         return None
-    if len(groups) > 1 or any(getattr(p, "_flatshard_group", None) is None for p in params):
-        raise ValueError(f"{type(optimizer).__name__} steps parameters of {len(groups)} sharded models"
-                         f"{' and unsharded ones' if len(groups) == 1 else ''}: accel_flatshard computes each matrix "
+    if len(models) > 1 or any(r is None for r in records):
+        raise ValueError(f"{type(optimizer).__name__} steps parameters of {len(models)} sharded models"
+                         f"{' and unsharded ones' if len(models) == 1 else ''}: accel_flatshard computes each matrix "
                          "on one rank of its model's shard group; build one optimizer per prepared model")
-    group: ShardGroup = next(iter(groups.values()))
-    schedule = schedule_of(params[0])
+    record = records[0]
+    group: ShardGroup = record.shard_group
+    schedule = record.schedule
     where = schedule.slots()
     matrices = []
     for p in params:
@@ -143,8 +145,7 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
         pieces = [(piece.param_start, piece.length) for piece in
                   (flat.layout.shard_pieces(r)[i] for r in range(group.shard_size))]
         matrices.append(Matrix(p, slot.fqn, slot.shape, slot.numel, pieces))
-        offload = getattr(p, "_flatshard_offload", None)
-        if offload is not None and offload.streams.stream_ordered:
+        if record.offload is not None and record.offload.streams.stream_ordered:
             raise NotImplementedError(f"{type(optimizer).__name__} with CPU offload onto {flat.device}: the shards are "
                                       "in host memory and the matrix exchange runs on the device; train without "
                                       "fsdp_offload_params")
@@ -184,7 +185,7 @@ class OwnerComputes:
         self.shadow = _like(optimizer, owned) if self.standins else None
         self.handles = [optimizer.register_step_post_hook(_restore_groups),
                         optimizer.register_load_state_dict_post_hook(_adopt_loaded_state)]
-        optimizer.__dict__[_ATTR] = self
+        _OWNERS[optimizer] = self
 
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
@@ -201,7 +202,7 @@ class OwnerComputes:
     def detach(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.optimizer_ref().__dict__.pop(_ATTR, None)
+        _OWNERS.pop(self.optimizer_ref(), None)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
@@ -344,7 +345,7 @@ class OwnerComputes:
 
 def _restore_groups(optimizer: torch.optim.Optimizer, *args: Any) -> None:
     """The user's optimizer's step post-hook: its param lists back after its own step ran on none."""
-    owner = optimizer.__dict__.get(_ATTR)
+    owner = _OWNERS.get(optimizer)
     if owner is not None and owner.hidden is not None:
         for g, params in zip(optimizer.param_groups, owner.hidden):
             g["params"] = params
@@ -353,7 +354,7 @@ def _restore_groups(optimizer: torch.optim.Optimizer, *args: Any) -> None:
 
 def _adopt_loaded_state(optimizer: torch.optim.Optimizer) -> None:
     """The user's optimizer's ``load_state_dict`` post-hook (collective: every rank loads): pieces to the owners."""
-    owner = optimizer.__dict__.get(_ATTR)
+    owner = _OWNERS.get(optimizer)
     if owner is not None:
         owner.adopt_state()
 
@@ -376,3 +377,6 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A stand-in's data between steps: no storage (made anew: one kept across calls could be a fake tensor of the
     planner's run that has ended)."""
     return torch.empty(0, dtype=dtype, device=device)
+
+
+registry.on_step(pre=owner_computes_step)

@@ -51,8 +51,6 @@ def options_from_plugin(
     FSDP2: ``fsdp_reshard_after_forward`` true/false is FULL_SHARD / SHARD_GRAD_OP, the other keys mean what they
     mean for FSDP1, backward prefetch is always on (FSDP2's implicit prefetch).  Options that cannot be honoured
     raise naming the key (``fsdp_ignored_modules``, ...); ``parallelism`` sets the shard groups."""
-    from .state_io import state_dict_type_name  # what save_state writes: checked here, before training
-
     environ = os.environ if environ is None else environ
     options.check_environment(environ)
     version = fsdp_version(plugin, environ)
@@ -352,3 +350,15 @@ def partial_state_reading_use_cpu(original: Callable[..., None]) -> Callable[...
         return original(self, cpu=bool(cpu) or options.env_flag("ACCELERATE_USE_CPU"), **kwargs)
 
     return __init__
+
+
+def state_dict_type_name(plugin: Any) -> str:
+    """The plugin's ``state_dict_type`` as "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (unset: FULL); others raise."""
+    sdt = getattr(plugin, "state_dict_type", None)
+    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
+    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        raise ValueError(
+            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
+            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
+        )
+    return name

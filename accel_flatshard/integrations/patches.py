@@ -1,11 +1,10 @@
 """The one table of what accel_flatshard changes outside itself, process-wide, and the code that applies it
 (docs/architecture-details.md section 6: what an entry names, scopes, errors, ``uninstall``).
 
-Three kinds of :class:`Patch`: a replaced symbol, also in the modules known to bind it by name (``also_bound_in``)
-and in any imported module of ``scan_packages`` (or ``__main__``) holding the original; a process-wide ``hook``;
-an entry of a library's dict (``key``; with ``wraps_original``, made from the entry it replaces).  A target moved or
-re-wrapped by a release is reported with the module, attribute and library version: a warning, or a RuntimeError
-where training or checkpoints would be wrong.
+Two kinds of :class:`Patch`: a replaced symbol, also in the modules known to bind it by name (``also_bound_in``) and in
+any imported module of ``scan_packages`` (or ``__main__``) holding the original; an entry of a library's dict (``key``;
+with ``wraps_original``, made from the entry it replaces).  A target moved or re-wrapped by a release is reported with
+the module, attribute and library version: a warning, or a RuntimeError where training or checkpoints would be wrong.
 """
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ class Patch:
     optional_owner: bool = False  # owner not imported -> nothing to do (the library is not in use)
     scope: str = "accelerator"  # when it is applied (SCOPES)
     introduced_in: str = ""  # library version that added the target: older ones have nothing to patch
-    hook: bool = False  # ``attribute`` registers a process-wide hook; uninstall() removes the handle
     key: str = ""  # ``attribute`` is a dict: the replacement is written under ``key``
-    undo: str = ""  # "module:function" that uninstall() calls (what a hook changed on other objects)
 
     @property
     def package(self) -> str:
@@ -52,18 +49,14 @@ class Patch:
 
     @property
     def target(self) -> str:
-        if self.hook:
-            return f"{self.owner}.{self.attribute}({self.replacement.rpartition(':')[2]})"
         return f"{self.owner}.{self.attribute}" + (f"[{self.key!r}]" if self.key else "")
 
 
-# scope -> who applies its entries; install("accelerator") (every Accelerator) also applies "wrapper"
+# scope -> who applies its entries
 SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
-          "wrapper": "the first wrap, every Accelerator", "offload": "the first wrap with CPU offload",
-          "frozen": "the first model with keep_frozen_gathered", "fsdp_state": "an Accelerator on a host without CUDA",
+          "fsdp_state": "an Accelerator on a host without CUDA",
           "process_group": "register(), every Accelerator (before accelerate sets up the process group)",
           "quantized": "the first wrap of a model with bitsandbytes 4-bit layers"}
-_TORCH_HOOKS = "torch 2.11, 2.13, 2.15"
 
 
 _FSDP_UTILS_WHY = ("torch FSDP's state_dict_type context finds no torch FSDP module in an accel_flatshard model "
@@ -141,38 +134,8 @@ PATCHES: Tuple[Patch, ...] = (
           "trl 1.16 (trl.distributed appeared in 1.6; before it GRPO calls torch's FSDP.summon_full_params, a "
           "no-op on our wrapper, and generate() still gathers once through the generate hook)",
           wraps_original=True, essential=False, optional_owner=True, introduced_in="1.6"),
-    Patch("refuse_step_during_backward", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.core.schedule:refuse_step_during_backward",
-          "a step while a backward of a sharded model runs, or after one that raised, would use partial, unreduced "
-          "gradients: it raises instead", _TORCH_HOOKS, hook=True, scope="wrapper"),
-    Patch("matrix_optimizer_owner_computes", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.features.matrix_optim:owner_computes_step",
-          "torch.optim.Muon needs each matrix whole, and a rank holds 1-D slices of them (its step raised 'Param "
-          "gradient must be a 2D matrix'): a Muon over sharded parameters computes each matrix's step on one owner "
-          "rank, with Muon's own code, and its own step then runs over no parameters", _TORCH_HOOKS, hook=True,
-          scope="wrapper"),
-    Patch("bitsandbytes_state_precision", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.features.bnb_shards:state_precision_of_full_parameters",
-          "bitsandbytes' 8-bit optimizers choose 8-bit or 32-bit state by the size of the tensor they step, here a "
-          "rank's piece: a parameter one process keeps in 8 bits got 32-bit state where its piece is small (more "
-          "than 1/W of the state); before the first step each piece gets its full parameter's choice, through "
-          "bitsandbytes' own per-parameter override", _TORCH_HOOKS, hook=True, scope="wrapper"),
-    Patch("offload_wait_for_copies", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.core.offload:wait_for_copies_before_step",
-          "with CPU offload the step writes the host shards, which copies to the GPU may still read: the host "
-          "waits for those copies first", _TORCH_HOOKS, hook=True, scope="offload"),
-    Patch("offload_fused_adam", "torch.optim.optimizer", "register_optimizer_step_pre_hook",
-          "accel_flatshard.core.offload:prefer_fused_host_adam",
-          "with CPU offload onto a GPU the Adam/AdamW step runs on the host, where torch's default is its slowest "
-          "variant: sets `fused=True` in the optimizer's param groups (unless foreach/fused were chosen) and "
-          "`optimizer._step_supports_amp_scaling`, as torch does for fused optimizers (about 4x faster)",
-          _TORCH_HOOKS, hook=True, scope="offload", undo="accel_flatshard.core.offload:undo_fused_default"),
-    Patch("release_frozen_units", "torch.optim.optimizer", "register_optimizer_step_post_hook",
-          "accel_flatshard.features.generation:release_frozen_units",
-          "units a frozen model keeps gathered go stale when a step changes its shards (TRL's sync_ref_model writes "
-          "the reference after the step): any step releases them", _TORCH_HOOKS, hook=True, scope="frozen"),
     Patch("bitsandbytes_4bit_gathered_weights", "bitsandbytes.nn.modules", "fix_4bit_weight_quant_state_from_module",
-          "accel_flatshard.features.bnb_shards:keeping_gathered_4bit_weights",
+          "accel_flatshard.integrations.bitsandbytes_shards:keeping_gathered_4bit_weights",
           "a 4-bit layer's forward finds the gathered view accel_flatshard installed as its weight without a quant "
           "state and registers a new Params4bit over it, replacing the sharded parameter (state dicts and "
           "checkpoints lose it); its CPU packing path (evaluation) rewrites data the next gather brings back: the "
@@ -194,8 +157,8 @@ PATCHES: Tuple[Patch, ...] = (
 
 # (module name, attribute path) -> original object, for every binding install() changed
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
-_UNDO: Dict[str, Callable[[], None]] = {}  # hook and dict entries applied: name -> how uninstall() undoes it
-INSTALLED: set = set()  # scopes installed (the wrapper reads it: no call into this module once done)
+_UNDO: Dict[str, Callable[[], None]] = {}  # dict entries applied: name -> how uninstall() undoes it
+INSTALLED: set = set()  # scopes installed (bitsandbytes_shards reads it: no call into this module once done)
 
 
 def _version(package: str) -> str:
@@ -243,30 +206,25 @@ def _predates(patch: Patch) -> bool:
     return installed != "not installed" and Version(installed) < Version(patch.introduced_in)
 
 
-def _apply_hook_or_key(patch: Patch, applied: List[str]) -> None:
+def _apply_key(patch: Patch, applied: List[str]) -> None:
     try:
         target, value = _resolve(f"{patch.owner}:{patch.attribute}"), _resolve(patch.replacement)
     except (ImportError, AttributeError) as exc:
         _report_missing(patch, patch.target, f"not found ({exc})")
         return
-    if patch.hook:
-        if patch.name in _UNDO:
+    current = target.get(patch.key)  # ``target`` is the dict
+    if current is value or getattr(current, _MARK, None) == patch.name:
+        return
+    if patch.wraps_original:
+        if current is None:
+            _report_missing(patch, patch.target, "no such entry")
             return
-        _UNDO[patch.name] = target(value).remove
-    else:  # ``target`` is the dict
-        current = target.get(patch.key)
-        if current is value or getattr(current, _MARK, None) == patch.name:
-            return
-        if patch.wraps_original:
-            if current is None:
-                _report_missing(patch, patch.target, "no such entry")
-                return
-            value = value(current)
-            setattr(value, _MARK, patch.name)
-        if patch.name not in _UNDO:
-            had, before = patch.key in target, target.get(patch.key)
-            _UNDO[patch.name] = lambda: target.update({patch.key: before}) if had else target.pop(patch.key, None)
-        target[patch.key] = value
+        value = value(current)
+        setattr(value, _MARK, patch.name)
+    if patch.name not in _UNDO:
+        had, before = patch.key in target, target.get(patch.key)
+        _UNDO[patch.name] = lambda: target.update({patch.key: before}) if had else target.pop(patch.key, None)
+    target[patch.key] = value
     applied.append(patch.target)
 
 
@@ -279,8 +237,8 @@ def _imports_in_progress() -> bool:
 def _apply(patch: Patch, applied: List[str]) -> None:
     if _predates(patch):
         return
-    if patch.hook or patch.key:
-        _apply_hook_or_key(patch, applied)
+    if patch.key:
+        _apply_key(patch, applied)
         return
     owner = sys.modules.get(patch.owner)
     if owner is None:
@@ -337,11 +295,10 @@ def _apply(patch: Patch, applied: List[str]) -> None:
 
 
 def install(scope: str = "accelerator", register: bool = False) -> List[str]:
-    """Apply the entries of ``scope`` (``"accelerator"``: also ``"wrapper"``'s, and ``"register"``'s and
-    ``"process_group"``'s when ``register``); idempotent.  Returns the targets this call changed (see the module
+    """Apply the entries of ``scope`` (and ``"register"``'s and ``"process_group"``'s when ``register``);
+    idempotent.  Returns the targets this call changed (see the module
     docstring for errors)."""
-    scopes = ({scope} | ({"wrapper"} if scope == "accelerator" else set())
-              | ({"register", "process_group"} if register else set()))
+    scopes = {scope} | ({"register", "process_group"} if register else set())
     applied: List[str] = []
     for patch in PATCHES:
         if patch.scope in scopes:
@@ -363,11 +320,8 @@ def uninstall() -> None:
             holder, leaf = _container(module, path)
             setattr(holder, leaf, original)
     _ORIGINALS.clear()
-    for name, undo in reversed(list(_UNDO.items())):
+    for undo in reversed(list(_UNDO.values())):
         undo()
-        patch = next(p for p in PATCHES if p.name == name)
-        if patch.undo:
-            _resolve(patch.undo)()
     _UNDO.clear()
     INSTALLED.clear()
 
@@ -377,7 +331,7 @@ def markdown_table() -> str:
     rows = ["| target (defined in) | also replaced in | why | replacement | checked on | applied by |",
             "|---|---|---|---|---|---|"]
     for p in PATCHES:
-        also = ", ".join(f"`{m}`" for m in p.also_bound_in) or ("(hook registered)" if p.hook else "-")
+        also = ", ".join(f"`{m}`" for m in p.also_bound_in) or "-"
         if p.scan_packages:
             also += f"; any imported `{'`/`'.join(p.scan_packages)}` module holding it"
         rows.append(f"| `{p.target}` | {also} | {p.why} | `{p.replacement}` | {p.checked_on} | {SCOPES[p.scope]} |")

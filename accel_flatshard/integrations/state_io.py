@@ -39,6 +39,7 @@ from ..state.sharded import model_entries, optimizer_entries, save_entries
 from ..core.fully_sharded import FullyShardedDataParallel
 from ..core.model_state import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
 from ..state.optim import full_optim_state_dict, load_full_optim_state_dict
+from .config import state_dict_type_name
 
 
 logger = logging.getLogger(__name__)
@@ -46,18 +47,6 @@ wait_for_saves = commit.wait_for_saves  # end_training: the save in flight first
 
 _ORIGINALS: Dict[str, Callable[..., Any]] = {name: getattr(_accelerate_fsdp_utils, name) for name in (
     "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")}
-
-
-def state_dict_type_name(plugin: Any) -> str:
-    """The plugin's ``state_dict_type`` as "FULL_STATE_DICT" or "SHARDED_STATE_DICT" (unset: FULL); others raise."""
-    sdt = getattr(plugin, "state_dict_type", None)
-    name = getattr(sdt, "name", None) or str(sdt or "FULL_STATE_DICT").upper()
-    if name not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-        raise ValueError(
-            f"fsdp_state_dict_type {name} is not supported for accel_flatshard models; use FULL_STATE_DICT or "
-            "SHARDED_STATE_DICT (fsdp_config in the accelerate yaml, or fsdp_plugin.set_state_dict_type(...))"
-        )
-    return name
 
 
 def accelerate_names(base: str, index: int) -> Tuple[str, str]:

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..core import options
+from ..core import options, registry
 from ..core._compat import profiler_enabled
 
 
@@ -155,7 +155,6 @@ def start_from_env(rank: int) -> Optional[Any]:
     if profiler_enabled():
         raise RuntimeError("FLATSHARD_PROFILE is set but a torch.profiler is already running in this process; "
                            "unset FLATSHARD_PROFILE or stop the other profiler (only one can run)")
-    from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cycles = itertools.count(1)
@@ -177,7 +176,6 @@ def start_from_env(rank: int) -> Optional[Any]:
     prof = profile(activities=activities, on_trace_ready=cycle_done,
                    schedule=schedule(wait=0, warmup=warmup, active=every - warmup))
     prof.start()
-    prof.step_hook = register_optimizer_step_post_hook(lambda *_: prof.step())
     atexit.register(stop_env_profiler)
     _ENV_PROFILER = prof
     return prof
@@ -187,6 +185,21 @@ def stop_env_profiler() -> None:
     """Write the unfinished cycle and stop (at interpreter exit, or by tests)."""
     global _ENV_PROFILER
     if _ENV_PROFILER is not None:
-        _ENV_PROFILER.step_hook.remove()
         _ENV_PROFILER.stop()
         _ENV_PROFILER = None
+
+
+def _step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """After every step over sharded parameters (``registry.on_step``): the running profiler steps too."""
+    if _ENV_PROFILER is not None:
+        _ENV_PROFILER.step()
+
+
+def _on_wrap(record: registry.Prepared) -> None:
+    """After a model is wrapped: one torch.profiler per process, if ``FLATSHARD_PROFILE`` asks for it."""
+    if options.get("FLATSHARD_PROFILE") is not None:
+        start_from_env(record.shard_group.world_rank)
+
+
+registry.on_step(post=_step)
+registry.on_wrap(after=_on_wrap)
