@@ -56,10 +56,10 @@ ORDERING_CALLS = REMOVE | COMPUTE_STREAM_ARG | ON_COMPUTE_STREAM
 
 # site -> why no simulated test can catch its mutation (printed with the table)
 EXCEPTIONS: Dict[str, str] = {
-    "device.py::CudaStreams.record_stream::record_stream#0":
+    "core/device.py::CudaStreams.record_stream::record_stream#0":
         "the simulator's adapter replaces this body (it registers the tensor with the simulator); every "
         "call of the adapter's record_stream is a site of its own",
-    "checkpoint/commit.py::snapshot_entries::record_stream#0":
+    "state/commit.py::snapshot_entries::record_stream#0":
         "redundant for every entry today: the compute stream waits for the copies' event right after "
         "(snapshot_entries' wait_event), so a source allocated on the compute stream (shards, optimizer state, "
         "full-state-dict clones) and dropped by the host is already ordered after its copy; it protects only a "
@@ -454,7 +454,7 @@ def summary(rows: Sequence[Row]) -> Tuple[str, List[Row]]:
     return "\n".join(lines), bad
 
 
-REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "device.py::CudaStreams.record_stream::record_stream#0",
+REPRESENTATIVE = ("core/engine.py::Engine.reduce_grad::wait_stream#0", "core/device.py::CudaStreams.record_stream::record_stream#0",
                   "tests/test_streams.py::test_fp16_gradients_are_divided_before_and_after_the_sum[8-30720.0-cuda]")
 
 

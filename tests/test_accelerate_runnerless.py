@@ -92,7 +92,7 @@ def test_a_script_that_imports_transformers_first_registers_without_a_warning_an
     env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}
     script = ("import transformers, accelerate\n"
               "print(accelerate.Accelerator.__module__)\n"
-              "from accel_flatshard import patches\n"
+              "from accel_flatshard.integrations import patches\n"
               "import transformers.trainer as t\n"
               "print(getattr(t.Trainer._save_checkpoint, patches._MARK, None))\n"
               "patches.install()\n"

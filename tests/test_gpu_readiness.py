@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -188,7 +189,8 @@ def test_offloaded_grad_norm_is_all_reduced_on_the_models_device(monkeypatch, ex
     group = _NcclGroupStandIn(model_device)
     param = torch.nn.Parameter(torch.ones(4))
     param.grad = torch.ones(4)  # on the host, as offload keeps it
-    param._flatshard_group = group
+    from accel_flatshard.core import registry
+    monkeypatch.setattr(registry, "record_of_param", lambda p: SimpleNamespace(shard_group=group) if p is param else None)
     with pytest.raises(StopIteration):
         clip_grad_norm_([param], 1.0, group=group, device=model_device if explicit else None)
     assert group.all_reduced_on == [model_device]

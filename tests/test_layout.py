@@ -1,6 +1,8 @@
 """The package's shape: no import circles (also through lazy in-function imports, or a package's ``__init__`` that
-runs before its module), state_dict/ stays below checkpoint/ (but its ``format``) and integrations/, torch.distributed collectives are called only in comm.py,
-the environment is read only in options.py and integrations/config.py, no module is over 600 lines."""
+runs before its module), torch.distributed collectives are called only in core/comm.py, the environment is read only
+in core/options.py and integrations/config.py, the two process-wide optimizer hooks are the registry's, at most three
+private attribute names are hung on objects the package does not own, no module is over 600 lines.  The folders'
+order is tests/test_layers.py's."""
 from __future__ import annotations
 
 import ast
@@ -102,15 +104,6 @@ def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": set()}) == []
 
 
-def test_state_dict_imports_neither_checkpoint_nor_integrations():
-    graph = _graph()
-    bad = {m: sorted(d for d in deps if d.startswith((f"{NAME}.checkpoint", f"{NAME}.integrations"))
-                     and d != f"{NAME}.checkpoint.format")  # (the errors and dtype names: below state_dict/)
-           for m, deps in graph.items() if m.startswith(f"{NAME}.state_dict")}
-    assert not any(bad.values()), bad
-    assert graph[f"{NAME}.checkpoint.format"] == {f"{NAME}.comm"}
-
-
 def test_every_module_imports_first_in_a_fresh_process():
     """Importing ``a.b`` runs ``a/__init__.py`` first: a package that eagerly imports a module importing ``a.b``
     back is a circle the static graph above does not see (checkpoint/__init__.py and state_dict/ -> format)."""
@@ -146,11 +139,43 @@ def test_no_module_over_600_lines_and_each_opens_with_what_it_owns():
     assert not no_docstring, no_docstring
 
 
-def test_torch_hooks_are_registered_only_through_the_patch_table():
-    # patches.py names torch's hook registration functions as strings (entries); no module calls them at import
-    callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                     if re.search(r"\bregister_optimizer_step_(pre|post)_hook\b", p.read_text()) and p.name != "patches.py")
-    assert callers == ["profiler.py"], callers  # (FLATSHARD_PROFILE steps its own profiler, started on request)
+def process_wide_hook_registrations(package: Path) -> List[str]:
+    """Calls of torch's process-wide optimizer hook registrations (``register_optimizer_step_pre_hook`` /
+    ``..._post_hook``) in the package."""
+    return [f"{p.relative_to(package.parent)}:{node.lineno}" for p in sorted(package.rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Call)
+            and re.fullmatch(r"register_optimizer_step_(pre|post)_hook", ast.unparse(node.func).rpartition(".")[2])]
+
+
+def test_two_process_wide_optimizer_hooks_at_most_both_the_registrys():
+    # one before and one after every step, dispatching to the models whose parameters the optimizer holds
+    assert [line.split(":")[0] for line in process_wide_hook_registrations(PACKAGE)] == \
+        ["accel_flatshard/core/registry.py"] * 2
+
+
+def test_the_hook_check_counts_registrations(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text("import torch\ntorch.optim.optimizer.register_optimizer_step_post_hook(print)\n"
+                                  "register_optimizer_step_pre_hook(print)\n")
+    assert process_wide_hook_registrations(package) == ["pkg/m.py:2", "pkg/m.py:3"]
+
+
+# Private attributes the package sets on objects it does not own (the user's modules, parameters, optimizers,
+# accelerate's objects, other libraries' modules and classes): ``obj._flatshard_x = ...``, ``setattr(obj,
+# "_flatshard_x", ...)``, ``obj.__dict__["_flatshard_x"] = ...`` or a constant naming one.  Those set on the
+# package's own objects are listed here with the object.
+OWN_OBJECTS = {"_flatshard_probe": "the functools.partial compile_model makes (features/compilation.py)"}
+
+
+def private_attribute_names(package: Path) -> Set[str]:
+    return {name for p in package.rglob("*.py") for name in re.findall(r"\b_flatshard_\w+", p.read_text())
+            if name not in OWN_OBJECTS}
+
+
+def test_at_most_three_private_attribute_names_on_objects_the_package_does_not_own():
+    names = private_attribute_names(PACKAGE)
+    assert len(names) <= 3, sorted(names)
 
 
 def test_environment_read_only_in_options_and_config():
@@ -158,7 +183,7 @@ def test_environment_read_only_in_options_and_config():
     pattern = re.compile(r"\bos\.environ\b|\bos\.getenv\b")
     readers = sorted({str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                       if pattern.search(p.read_text())})
-    assert readers == ["integrations/config.py", "options.py"], readers
+    assert readers == ["core/options.py", "integrations/config.py"], readers
 
 
 # Called by name from outside the package: torch DCP's planner / storage interfaces, pickle, nn.Module.

@@ -56,7 +56,7 @@ def test_table_lists_every_patch_install_applies(clean_patches):
     import trl.trainer.dpo_trainer  # noqa: F401  (so the TRL entry applies)
 
     applied = patches.install(register=True)
-    for scope in set(patches.SCOPES) - {"register", "accelerator", "wrapper"}:
+    for scope in set(patches.SCOPES) - {"register", "accelerator"}:
         applied += patches.install(scope)
     table_targets = set()
     for p in patches.PATCHES:
@@ -81,57 +81,16 @@ def test_table_lists_every_patch_install_applies(clean_patches):
         assert f"`{p.target}`" in markdown
 
 
-def ours():
-    """Names of the optimizer step hooks of this package registered with torch now."""
-    from torch.optim import optimizer as torch_optimizer
-
-    hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]
-    return [h.__name__ for h in hooks if h.__module__.startswith("accel_flatshard")]
-
-
-def test_the_plain_wrapper_installs_its_hooks_at_its_first_wrap(clean_patches, world_of_one):
-    import torch
-    from accel_flatshard import FullyShardedDataParallel
-
-    assert ours() == []
-    FullyShardedDataParallel(torch.nn.Linear(4, 4))
-    assert ours() == ["refuse_step_during_backward", "owner_computes_step", "state_precision_of_full_parameters"]
-    FullyShardedDataParallel(torch.nn.Linear(4, 4), cpu_offload=True)
-    assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
-                              "state_precision_of_full_parameters", "wait_for_copies_before_step"]
-
-
-def test_hooks_and_writes_outside_the_package_are_entries_that_uninstall_undoes(clean_patches, monkeypatch):
-    """The optimizer step hooks, offload's fused default and accelerate's shared state are table entries: listed by
-    install(), undone by uninstall()."""
-    import torch
+def test_writes_outside_the_package_are_entries_that_uninstall_undoes(clean_patches):
+    """accelerate's shared state is a table entry: listed by install(), undone by uninstall()."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    monkeypatch.setattr("accel_flatshard.core.offload._FAST_HOST_STEP_WARNED", False)
     shared = dict(PartialState._shared_state)
-    assert ours() == []
-    applied = [where for scope in ("wrapper", "offload", "frozen", "fsdp_state") for where in patches.install(scope)]
-    assert sorted(applied) == ["accelerate.state.PartialState._shared_state['distributed_type']", *(
-        f"torch.optim.optimizer.register_optimizer_step_{when}_hook({name})" for when, name in [
-            ("post", "release_frozen_units"), ("pre", "owner_computes_step"), ("pre", "prefer_fused_host_adam"),
-            ("pre", "refuse_step_during_backward"), ("pre", "state_precision_of_full_parameters"),
-            ("pre", "wait_for_copies_before_step")])]
-    assert sorted(ours()) == ["owner_computes_step", "prefer_fused_host_adam", "refuse_step_during_backward",
-                              "release_frozen_units", "state_precision_of_full_parameters",
-                              "wait_for_copies_before_step"]
+    assert patches.install("fsdp_state") == ["accelerate.state.PartialState._shared_state['distributed_type']"]
     assert PartialState._shared_state["distributed_type"] is DistributedType.FSDP
-    # offload onto a GPU: a stock AdamW steps fused (a stand-in for the offloaded parameters' host buffers)
-    param = torch.nn.Parameter(torch.zeros(4))
-    param.grad = torch.ones(4)
-    param._flatshard_offload = type("Offload", (), {"streams": type("S", (), {"stream_ordered": True})()})()
-    opt = torch.optim.AdamW([param])
-    with pytest.warns(UserWarning, match="fused=True"):
-        opt.step()
-    assert opt.param_groups[0]["fused"] is True and opt._step_supports_amp_scaling
     patches.uninstall()
-    assert ours() == [] and dict(PartialState._shared_state) == shared
-    assert opt.param_groups[0]["fused"] is None and "_step_supports_amp_scaling" not in opt.__dict__
+    assert dict(PartialState._shared_state) == shared
 
 
 def test_missing_essential_target_is_an_error_naming_it(clean_patches, monkeypatch):

@@ -214,7 +214,7 @@ def readme_run(tmp_path_factory):
     import train_causal_lm
 
     train_causal_lm.build_model("gpt2-tiny", 257, 128).config.save_pretrained(work / "model")
-    cmd = [sys.executable, "-m", "accel_flatshard.plan", "--model", str(work / "model"), "--config_file",
+    cmd = [sys.executable, "-m", "accel_flatshard.tools.plan_cli", "--model", str(work / "model"), "--config_file",
            str(CPU_FSDP_YAML), "--batch_size", "8", "--seq_len", "128", "--device_memory", "40MiB", "--json"]
     planned = json.loads(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True, timeout=300).stdout)
     out = work / "measured.json"
@@ -428,7 +428,7 @@ def test_cli_refuses_an_unknown_yaml_key(tmp_path, capsys):
 
 def _plan_and_launch(work, yaml, plan_flags, script_flags):
     """`accel-flatshard plan --json` and the measured run (plan_measure.py) of the same launch: (planned, per rank)."""
-    cmd = [sys.executable, "-m", "accel_flatshard.plan", "--model", str(work / "model"), "--config_file", str(yaml),
+    cmd = [sys.executable, "-m", "accel_flatshard.tools.plan_cli", "--model", str(work / "model"), "--config_file", str(yaml),
            "--seq_len", "128", "--json", *plan_flags]
     planned = json.loads(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True, timeout=300).stdout)
     out = work / f"measured-{len(list(work.iterdir()))}.json"

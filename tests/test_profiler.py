@@ -12,6 +12,7 @@ import torch
 from torch.profiler import profile
 
 import accel_flatshard.tools.profiling as profiler_module
+from accel_flatshard.core import spans
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
 from accel_flatshard.tools.profiling import PHASE_ROWS, phase_table, start_from_env, step_phases, stop_env_profiler
 from accel_flatshard.core.device import CudaStreams, HostAdapter
@@ -94,11 +95,11 @@ def test_spans_cost_one_flag_check_when_no_profiler_runs(world_of_one):
     wrapped = _wrap()
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     _train(wrapped, optimizer, steps=1)
-    with mock.patch.object(profiler_module, "record_function", wraps=profiler_module.record_function) as rf, \
-            mock.patch.object(profiler_module, "profiler_enabled", wraps=profiler_module.profiler_enabled) as check:
+    with mock.patch.object(spans, "record_function", wraps=spans.record_function) as rf, \
+            mock.patch.object(spans, "profiler_enabled", wraps=spans.profiler_enabled) as check:
         _train(wrapped, optimizer, steps=2)
         assert check.call_count > 0 and rf.call_count == 0  # the engine asks, and creates no span
-        assert profiler_module.span("all_gather", "x") is profiler_module.span("wait_all_gather")  # one shared no-op
+        assert spans.span("all_gather", "x") is spans.span("wait_all_gather")  # one shared no-op
         with profile():
             _train(wrapped, optimizer, steps=1)
         assert rf.call_count > 0

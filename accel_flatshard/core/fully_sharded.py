@@ -157,7 +157,8 @@ class FullyShardedDataParallel(nn.Module):
         # group and has no peers to wait for: no rendezvous for collective state dicts there
         group = self.shard_group
         real = group.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
-        record = registry.Prepared(self, schedule, comm.new_gloo_group(group.world_group) if real else None)
+        record = registry.Prepared(self, schedule, engine.offload,
+                                   comm.new_gloo_group(group.world_group) if real else None)
         model_state.install(record)  # state_dict() of the module gathers (collective)
         registry.register(record)  # after-wrap listeners: gather-once generate(), FLATSHARD_PROFILE, ...
 

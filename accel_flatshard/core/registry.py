@@ -35,12 +35,12 @@ class Prepared:
     state dicts, None with one rank), and the features' slots: ``generation`` (its GenerationControl),
     ``local_depth`` (> 0 while a caller wants this rank's slices from ``state_dict()``)."""
 
-    def __init__(self, wrapper: nn.Module, schedule: Any, gloo_group: Any) -> None:
+    def __init__(self, wrapper: nn.Module, schedule: Any, offload: Any, gloo_group: Any) -> None:
         self.wrapper = wrapper
         self.module: nn.Module = wrapper.module
         self.schedule = schedule
         self.shard_group = wrapper.shard_group
-        self.offload = schedule.engine.offload
+        self.offload = offload
         self.gloo_group = gloo_group
         self.generation: Any = None
         self.local_depth = 0

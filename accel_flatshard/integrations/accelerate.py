@@ -28,7 +28,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
-from ..core import options
+from ..core import options, registry
 from . import patches
 from ..core._compat import clamp_all_
 from ..features.compilation import compile_model
@@ -201,7 +201,7 @@ class Accelerator(_BaseAccelerator):
         prepared models (and unwrapped ones) the one norm torch's would give on the unsharded models, every gradient
         scaled by the same coefficient.  Collective over every model involved."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if self.flatshard_options is None or not any(getattr(p, "_flatshard_group", None) is not None for p in params):
+        if self.flatshard_options is None or not any(registry.record_of_param(p) is not None for p in params):
             return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return clip_grad_norm_(params, max_norm, norm_type)  # (each model's part on its own group and device)

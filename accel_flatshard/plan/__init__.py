@@ -23,7 +23,7 @@ from ..core.options import BackwardPrefetch, FlatShardOptions
 from ..core.wrap import policy_of, select_units
 from . import run
 from .run import Prediction
-from .trace import _copy
+from .trace import copy_model
 
 # The cost model's hardware per GPU (it only ranks configurations): half-precision FLOP/s (fp32: a quarter), the
 # links inside and between nodes, PCIe, the host's optimizer step (state bytes/s), one unit's pass per micro-step.
@@ -194,7 +194,7 @@ def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
 # ---------------------------------------------------------------------- the check at prepare
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model``'s structure on the meta device (ties kept); no data is copied."""
-    return _copy(model, lambda t: t.detach().to("meta"))
+    return copy_model(model, lambda t: t.detach().to("meta"))
 
 
 def warn_before_first_step(wrapped: nn.Module, skeleton: nn.Module, options: FlatShardOptions, world_size: int,

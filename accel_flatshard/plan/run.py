@@ -23,7 +23,7 @@ from ..core.model_state import full_state_dict
 from ..state.optim import full_optim_state_dict
 from ..core.unit import UnitState
 from ..core.wrap import checkpoint_units, policy_of
-from .trace import _as_call, _copy, _loss_of, _Trace, _why_fake_failed
+from .trace import _as_call, copy_model, _loss_of, _Trace, _why_fake_failed
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def predict(planner: Any, cfg: Any, curve: bool = False) -> Prediction:  # (a Pl
         with fake_world(planner.world_size, "fake_nccl_gloo" if cuda else "fake_gloo"), \
                 FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # (flat_param's check)
-            model = _copy(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
+            model = copy_model(meta, lambda t: torch.empty(t.shape, dtype=t.dtype))
             # a matrix optimizer (Muon) takes the 2-D matrices before the wrapper makes them 1-D views, AdamW the rest
             chained = matrix_optimizer_and_adamw(planner.optimizer, model) if issubclass(
                 planner.optimizer, matrix_optimizer_classes() or ()) else None

@@ -151,7 +151,7 @@ def _why_fake_failed(op: Any, exc: Exception) -> str:
     return f"{kind}: {exc}"
 
 
-def _copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+def copy_model(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
     """``model`` with every parameter and buffer replaced by ``convert(tensor)`` (ties kept; the rest deep-copied)."""
     memo: Dict[int, Any] = {}
     for t in [*model.parameters(), *model.buffers()]:

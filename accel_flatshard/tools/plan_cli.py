@@ -18,7 +18,7 @@ from ..integrations.config import options_from_launch_args
 from ..core.sizes import parse_size
 from ..plan import HARDWARE, Config, Planner, recommend, settings, step_time
 from ..plan.run import PERSISTENT
-from ..plan.trace import _copy
+from ..plan.trace import copy_model
 from .plan_launch import check_launch_args
 
 
@@ -59,7 +59,7 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
         try:
             return model.to("meta")  # (parameters it made elsewhere)
         except RuntimeError:  # a parameter subclass .to() cannot move (bitsandbytes' 4-bit weights): their storage
-            return _copy(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            return copy_model(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return build
 
 
