@@ -71,15 +71,29 @@ def test_a_dropped_model_leaves_no_record(world_of_one):
     assert gone() is None and registry.record_of_param(param) is None
 
 
+class _StandIn(SimpleNamespace):
+    """A record stand-in (weak-referenceable, as the registry's cache holds records weakly)."""
+
+    __slots__ = ("__weakref__",)
+
+
 def test_an_offloaded_adamw_steps_fused_on_the_host(monkeypatch):
     """Offload onto a GPU: a stock AdamW's host step uses torch's fused kernel (a stand-in record: no GPU here)."""
     monkeypatch.setattr("accel_flatshard.core.offload._FAST_HOST_STEP_WARNED", False)
     param = torch.nn.Parameter(torch.zeros(4))
     param.grad = torch.ones(4)
     offload = SimpleNamespace(streams=SimpleNamespace(stream_ordered=True), wait_for_host_to_device_copies=lambda: 0)
-    stand_in = SimpleNamespace(offload=offload, schedule=SimpleNamespace(in_backward=False))
+    stand_in = _StandIn(offload=offload, schedule=SimpleNamespace(in_backward=False))
     monkeypatch.setattr(registry, "record_of_param", lambda p: stand_in if p is param else None)
     optimizer = torch.optim.AdamW([param])
     with pytest.warns(UserWarning, match="fused=True"):
         registry._dispatch(registry._PRE)(optimizer, (), {})
     assert optimizer.param_groups[0]["fused"] is True and optimizer._step_supports_amp_scaling
+
+
+def test_the_models_of_an_optimizer_follow_its_param_groups(world_of_one):
+    first, second = FullyShardedDataParallel(torch.nn.Linear(4, 4)), FullyShardedDataParallel(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
+    assert registry.records_of_optimizer(optimizer) == [registry.record_of(first)]
+    optimizer.add_param_group({"params": list(second.parameters())})
+    assert registry.records_of_optimizer(optimizer) == [registry.record_of(first), registry.record_of(second)]

@@ -66,6 +66,8 @@ class Prepared:
 
 _BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # original parameter -> weakref(Prepared)
 _UNIT_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # unit module -> weakref(Unit)
+# optimizer -> (its param groups' signature, weak references to the records of its models)
+_OPTIMIZER_RECORDS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 _PRE: List[StepHandler] = []
 _POST: List[StepHandler] = []
 _BEFORE_WRAP: List[Callable[[nn.Module, Any], None]] = []
@@ -113,13 +115,22 @@ def unit_of(module: nn.Module) -> Optional[Any]:
 
 
 def records_of_optimizer(optimizer: torch.optim.Optimizer) -> List[Prepared]:
-    """The prepared models whose parameters ``optimizer`` holds, in the order of its parameters."""
+    """The prepared models whose parameters ``optimizer`` holds, in the order of its parameters.  Cached per
+    optimizer while its param groups keep their lists and lengths (a lookup per parameter costs about 1.4 us: 2.8 ms
+    a step for 2,000 parameters, before and after the step)."""
+    signature = tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+    cached = _OPTIMIZER_RECORDS.get(optimizer)
+    if cached is not None and cached[0] == signature:
+        records = [ref() for ref in cached[1]]
+        if all(record is not None for record in records):
+            return records
     found: Dict[int, Prepared] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             record = record_of_param(p)
             if record is not None:
                 found.setdefault(id(record), record)
+    _OPTIMIZER_RECORDS[optimizer] = (signature, [weakref.ref(r) for r in found.values()])  # (weak: no model kept)
     return list(found.values())
 
 
