@@ -213,3 +213,39 @@ def test_the_per_module_check_finds_a_function_in_the_wrong_module(tmp_path):
     text = ("## 2. Modules\n\n- `accel_flatshard/a.py`: `here()` and `there()`,\n  and `b.there()`.\n"
             "- `accel_flatshard/b.py`: `there()`.\n\n## 3. Next\n")
     assert misplaced(text, tmp_path) == ["accel_flatshard/a.py: there()"]
+
+
+def layer_table(text: str) -> List[str]:
+    """Section 1's table, in its order: the folder each row names (``core`` for `` `core/` ``), ``root`` for the
+    package's root modules."""
+    section = text.split("## 1. Layers", 1)[1].split("\n## 2.", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    out = []
+    for row in rows[2:]:  # (the header and its rule)
+        cell = row.strip("|").split("|")[0].strip()
+        if cell == "root":
+            out.append("root")
+        else:
+            spans = _SPAN.findall(cell)
+            assert len(spans) == 1 and spans[0].endswith("/"), f"a layer row names one folder, `x/`: {row}"
+            out.append(spans[0].rstrip("/"))
+    return out
+
+
+def test_the_layer_table_lists_the_folders_of_the_layer_test_in_order():
+    from test_layers import FOLDERS  # (tests/ is on sys.path under pytest)
+
+    assert layer_table(DOC.read_text()) == [*FOLDERS, "root"]
+
+
+def test_the_layer_table_check_finds_a_wrong_order():
+    from test_layers import FOLDERS
+
+    text = DOC.read_text()
+    rows = [line for line in text.split("## 1. Layers", 1)[1].split("\n## 2.", 1)[0].splitlines()
+            if line.startswith("| `core/`") or line.startswith("| `features/`")]
+    assert len(rows) == 2
+    swapped = text.replace(rows[0], "\0").replace(rows[1], rows[0]).replace("\0", rows[1])
+    assert layer_table(swapped) == ["features", "core", *FOLDERS[2:], "root"] != [*FOLDERS, "root"]
+    planted = "## 1. Layers\n\n| folder | owns |\n|---|---|\n| `state/` | x |\n| `core/` | y |\n| root | z |\n\n## 2. M\n"
+    assert layer_table(planted) == ["state", "core", "root"]
