@@ -200,7 +200,7 @@ class FullyShardedDataParallel(nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    # state dicts (state_dict/model.py): full, collective, like torch FSDP's FULL_STATE_DICT default
+    # state dicts (model_state.py): full, collective, like torch FSDP's FULL_STATE_DICT default
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Collective: the plain model's state dict on global rank 0 (CPU), ``{}`` on other ranks."""
         return self.module.state_dict(*args, **kwargs)  # (its post-hook gathers; keys without a wrapper prefix)

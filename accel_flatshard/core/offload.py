@@ -1,15 +1,15 @@
 """CPU offload of parameters (``fsdp_offload_params: true``): what lives in host memory and how it moves.
 
-With :class:`CPUOffload` ``(offload_params=True)`` everything persistent of a flat parameter lives in host
-memory (pinned on a GPU, so copies run asynchronously to the host): ``local_shard`` (the fp32 master: the
-optimizer steps on the host and keeps its state there), ``sharded_grad`` (one buffer per flat parameter, reused
-across steps) and, when gradients accumulate over several backwards, staging buffers the host adds.  The device
-holds only what is in flight (a unit's copied shard until gathered, gathered units, full gradients, a reduced
-shard until its copy to the host is issued, activations).  The engine moves them on its side streams through the
-device adapter (``to_device`` / ``to_host`` / ``host_empty``; which stream, and who waits for a copy:
-docs/ARCHITECTURE.md section 5); reduced shards land in :meth:`HostOffload.grad_target`.  On a CPU device the host
-*is* the device: nothing is pinned.  The two optimizer step handlers below (wait for the copies to the device,
-which read the host shards; a fused host Adam) run from the registry's step hook (``core/registry.py``).
+With :class:`CPUOffload` ``(offload_params=True)`` everything persistent of a flat parameter lives in host memory
+(pinned on a GPU, so copies run asynchronously to the host): ``local_shard`` (the fp32 master: the optimizer steps on
+the host and keeps its state there), ``sharded_grad`` (one buffer per flat parameter, reused across steps) and, when
+gradients accumulate over several backwards, staging buffers the host adds.  The device holds only what is in flight (a
+unit's copied shard until gathered, gathered units, full gradients, a reduced shard until its copy to the host is
+issued, activations).  The engine moves them on its side streams through the device adapter (``to_device`` / ``to_host``
+/ ``host_empty``; which stream, and who waits for a copy: docs/architecture-details.md section 5); reduced shards land
+in :meth:`HostOffload.grad_target`.  On a CPU device the host *is* the device: nothing is pinned.  The two optimizer
+step handlers below (wait for the copies to the device, which read the host shards; a fused host Adam) run from the
+registry's step hook (``core/registry.py``).
 """
 from __future__ import annotations
 

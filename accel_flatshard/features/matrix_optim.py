@@ -18,7 +18,7 @@ slice that may cut it anywhere (``flat_param.py``).  A Muon over sharded paramet
 
 A matrix's momentum lives only on its owner, full-shaped, in the user's ``optimizer.state`` (the owner-side
 optimizer shares each parameter's state dict), so a rank holds its shards plus the state of the matrices it owns.
-``state_dict/optim.py`` and ``checkpoint/sharded.py`` save such a "whole" entry from its holder; a load brings every
+``state/optim.py`` and ``state/sharded.py`` save such a "whole" entry from its holder; a load brings every
 rank its piece (at any world size), and :meth:`OwnerComputes.adopt_state` moves the pieces to the owners.  Muon's
 own errors (a parameter that is not 2-D, ``ns_steps >= 100``) come from a dry run of the same optimizer class on
 meta-device stand-ins, on every rank, before anything is exchanged: every rank raises Muon's error.

@@ -2,7 +2,7 @@
 
 The model is built on the meta device and sharded on paper by ``prepare``'s own code for the cost model.  The peak
 is measured, not derived: the real wrapper trains it for two steps on fake tensors (``run.py``, ``trace.py``).
-:func:`recommend` ranks what fits by :func:`step_time`; the command line is ``__main__.py``.
+:func:`recommend` ranks what fits by :func:`step_time`; the command line is ``tools/plan_cli.py``.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""``accel-flatshard plan`` / ``python -m accel_flatshard.plan``: the memory planner's command line (its flags:
-:func:`build_parser`; accelerate's launch flags and yaml are planned, inert or refused by name in ``launch.py``)."""
+"""``accel-flatshard plan`` / ``python -m accel_flatshard.tools.plan_cli``: the memory planner's command line (its
+flags: :func:`build_parser`; accelerate's launch flags and yaml are planned, inert or refused by name in
+``plan_launch.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -179,7 +180,7 @@ def planned(args: argparse.Namespace, launch: List[str]) -> Tuple[Planner, Confi
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``accel-flatshard plan`` / ``python -m accel_flatshard.plan``; returns the exit status."""
+    """``accel-flatshard plan`` / ``python -m accel_flatshard.tools.plan_cli``; returns the exit status."""
     args, launch = build_parser().parse_known_args(argv)
     try:
         planner, cfg = planned(args, launch)

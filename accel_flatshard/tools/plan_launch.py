@@ -1,4 +1,4 @@
-"""What ``accel-flatshard plan`` does with each ``accelerate launch`` flag and yaml key (``__main__.py`` asks).
+"""What ``accel-flatshard plan`` does with each ``accelerate launch`` flag and yaml key (``plan_cli.py`` asks).
 
 Each launch parser destination and yaml attribute is in exactly one table: :data:`PLANNED` (reaches the plan),
 :data:`INERT` (no change to a step's memory) or :data:`REFUSED` (set off its default, the plan stops naming it and
