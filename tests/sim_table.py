@@ -4,8 +4,8 @@ Sites (:func:`find_sites`): a walk of ``accel_flatshard/`` with ``ast`` lists ev
 
 * the device adapter's ``wait_stream``, ``wait_event``, ``record``, ``synchronize``, ``record_stream``,
   ``on``, ``collective``, ``to_device`` and ``to_host``;
-* the engine's ``begin_step``, ``wait_unshard``, ``finish_reduces``, ``drain`` and ``_wait`` (a collective's
-  completion),
+* the engine's ``begin_step``, ``wait_unshard``, ``finish_reduces``, ``drain`` and ``wait_for`` (a collective's
+  completion, ``handles.py``; ``_wait`` where it is imported under that name),
 
 wherever it is called (a unit's ``wait_unshard`` included).  A site is named by file, enclosing function and
 the call's rank among the calls of that name there (``engine.py::Engine.reshard::record_stream#0``), not by
@@ -49,17 +49,17 @@ POOL = ["tests/test_streams.py", "tests/test_offload_sim.py", "tests/test_sim_pa
         "tests/test_async_save.py::test_cuda_snapshot_copies_on_a_side_stream_that_the_next_update_waits_for"]
 
 REMOVE = {"wait_stream", "wait_event", "synchronize", "record_stream", "record",
-          "begin_step", "wait_unshard", "finish_reduces", "drain", "_wait"}
+          "begin_step", "wait_unshard", "finish_reduces", "drain", "wait_for", "_wait"}
 COMPUTE_STREAM_ARG = {"on", "collective"}
 ON_COMPUTE_STREAM = {"to_device", "to_host"}
 ORDERING_CALLS = REMOVE | COMPUTE_STREAM_ARG | ON_COMPUTE_STREAM
 
 # site -> why no simulated test can catch its mutation (printed with the table)
 EXCEPTIONS: Dict[str, str] = {
-    "device.py::CudaStreams.record_stream::record_stream#0":
+    "core/device.py::CudaStreams.record_stream::record_stream#0":
         "the simulator's adapter replaces this body (it registers the tensor with the simulator); every "
         "call of the adapter's record_stream is a site of its own",
-    "checkpoint/commit.py::snapshot_entries::record_stream#0":
+    "state/commit.py::snapshot_entries::record_stream#0":
         "redundant for every entry today: the compute stream waits for the copies' event right after "
         "(snapshot_entries' wait_event), so a source allocated on the compute stream (shards, optimizer state, "
         "full-state-dict clones) and dropped by the host is already ordered after its copy; it protects only a "
@@ -454,7 +454,7 @@ def summary(rows: Sequence[Row]) -> Tuple[str, List[Row]]:
     return "\n".join(lines), bad
 
 
-REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "device.py::CudaStreams.record_stream::record_stream#0",
+REPRESENTATIVE = ("engine.py::Engine.reduce_grad::wait_stream#0", "core/device.py::CudaStreams.record_stream::record_stream#0",
                   "tests/test_streams.py::test_fp16_gradients_are_divided_before_and_after_the_sum[8-30720.0-cuda]")
 
 

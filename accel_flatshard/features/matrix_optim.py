@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..core import comm, registry
 from ..core._compat import step_without_hooks
 from ..core.comm import ShardGroup
-from ..core.engine import _wait
+from ..core.handles import wait_for as _wait
 from ..core.spans import span
 
 __all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
