@@ -25,7 +25,7 @@ from ._compat import is_fake
 from .options import FlatShardOptions, env_flag
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
-from .handles import DONE, Handle, then, waited  # (DONE: also the tests' and benchmarks' name for it)
+from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
 
 
 @runtime_checkable
@@ -247,7 +247,7 @@ class ShardGroup:
                                      "int8 block cannot carry them (set quantized_all_gather off to train on)")
                 dequantize_blocks(q, scales, block, out=output)
 
-        return then(work, dequantize, async_op)
+        return followed_by(work, dequantize, async_op)
 
     def reduce_scatter_quantized(self, output: torch.Tensor, full: torch.Tensor, block: int, what: str,
                                  async_op: bool = True, propagate_non_finite: bool = False) -> Any:
@@ -260,7 +260,7 @@ class ShardGroup:
         self.bytes_reduced += q.numel() + scales.numel() * scales.element_size()
         self._count("reduction", self.shard, q.shape[1] + scales.shape[1] * scales.element_size())
         work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
-        return then(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
+        return followed_by(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
@@ -301,7 +301,7 @@ class ShardGroup:
                      for part, block in zip(partial, blocks)]
             first = Handle(works if async_op else [])
             second = lambda: _reduce_scatter_flat(output, partial.view(-1), group=column.group)  # noqa: E731
-        return then(first, second, async_op)
+        return followed_by(first, second, async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Via all-reduce: this rank's part of the reduced ``full``, copied into ``output``."""
@@ -411,7 +411,7 @@ def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelt
     return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 
 
-# ---------------------------------------------------------------------- objects, agreement, rendezvous
+# ---------------------------------------------------------------------- objects, agreement on a failure
 # Collectives for state-dict and checkpoint code; ``group`` None (one process): each returns the local value.
 def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
@@ -466,19 +466,40 @@ def barrier(group: Optional[dist.ProcessGroup]) -> None:
             dist.barrier(group=group)
 
 
+def agree_on_failure(group: Optional[dist.ProcessGroup], failure: Any = None,
+                     timeout: Optional[datetime.timedelta] = None) -> List[Tuple[int, Any]]:
+    """Collective: which ranks of ``group`` failed, as ``(group rank, failure)`` pairs in rank order (``[]``: none
+    did), the same list on every rank, so that a rank that fails makes every rank raise instead of leaving the
+    others waiting in the next collective.  The one way ranks agree on a failure (:func:`agree_on_error`, the
+    asynchronous save's outcome, a sharded save's commit, a collective state dict's arrival check all ask it).
+
+    ``failure``: None (this rank succeeded), a message, or an exception (it travels as its class name and message).
+    ``timeout``: an arrival check instead (``group`` a gloo group, ``failure`` None): a monitored barrier; a rank
+    that does not come within ``timeout`` is this rank's failure, why (the missing ranks) returned at once and
+    only here (the others may not be there to hear it)."""
+    rank = 0 if _size(group) == 1 else dist.get_rank(group)
+    if timeout is not None:
+        try:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            return [(rank, str(e).strip())]
+        return []
+    mine = (type(failure).__name__, str(failure)) if isinstance(failure, BaseException) else failure
+    everyone = all_gather_object(group, mine) if _size(group) > 1 else [mine]
+    return [(r, f) for r, f in enumerate(everyone) if f is not None]
+
+
 def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseException],
                    error_types: Sequence[type] = (), default: type = RuntimeError) -> None:
-    """Collective: raise on every rank if any had an error (none is left waiting in the next collective): its
-    own, else the first failing rank's class (by name in ``error_types``, else ``default``) and message."""
-    if _size(group) > 1:
-        mine = None if error is None else (type(error).__name__, str(error))
-        failed = [(r, e) for r, e in enumerate(all_gather_object(group, mine)) if e is not None]
-        if failed and error is None:
-            rank, (cls_name, message) = failed[0]
-            cls = next((t for t in error_types if t.__name__ == cls_name), default)
-            raise cls(f"rank {rank} failed: {message}")
+    """Collective (:func:`agree_on_failure`): raise on every rank if any had an error: its own, else the first
+    failing rank's class (by name in ``error_types``, else ``default``) and message."""
+    failed = agree_on_failure(group, error)
     if error is not None:
         raise error
+    if failed:
+        rank, (cls_name, message) = failed[0]
+        cls = next((t for t in error_types if t.__name__ == cls_name), default)
+        raise cls(f"rank {rank} failed: {message}")
 
 
 def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -486,16 +507,6 @@ def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     ranks = (list(range(dist.get_world_size(group))) if group is dist.group.WORLD
              else dist.get_process_group_ranks(group))
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-
-
-def rendezvous_or_fail(gloo_group: dist.ProcessGroup, timeout: datetime.timedelta) -> Optional[str]:
-    """Wait for every rank of ``gloo_group`` at a monitored barrier: None when all came, else why not (the
-    waiting rank fails fast instead of hanging in the next collective until the process-group timeout)."""
-    try:
-        dist.monitored_barrier(group=gloo_group, timeout=timeout, wait_all_ranks=True)
-    except RuntimeError as e:
-        return str(e).strip()
-    return None
 
 
 # ---------------------------------------------------------------------- one key space per elastic attempt

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["DONE", "Handle", "issued", "start", "then", "wait_for", "waited"]
+__all__ = ["DONE", "Handle", "followed_by", "issued", "start", "wait_for", "waited"]
 
 
 class Handle:
@@ -81,7 +81,7 @@ def issued(handle: Any) -> bool:
     return handle is not None and (not isinstance(handle, Handle) or handle.issued)
 
 
-def then(work: Any, step: Callable[[], Any], async_op: bool) -> Handle:
+def followed_by(work: Any, step: Callable[[], Any], async_op: bool) -> Handle:
     """``work`` followed by the host step ``step``: at once after a synchronous call (on the collective's stream),
     else when the handle is waited for."""
     if not async_op:
