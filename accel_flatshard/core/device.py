@@ -122,7 +122,7 @@ class HostAdapter:
         move = lambda t: t if t.device == self.device else t.to(self.device, non_blocking=self.stream_ordered)
         return map_tensors(move, (args, kwargs))
 
-    # CPU offload (offload.py) and host snapshots (checkpoint/commit.py): on CUDA host buffers are pinned, so that
+    # CPU offload (offload.py) and host snapshots (state/commit.py): on CUDA host buffers are pinned, so that
     # both copies run asynchronously to the host
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.stream_ordered)

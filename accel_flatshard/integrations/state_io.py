@@ -7,7 +7,7 @@ The Trainer (checkpoints, resume, ``load_best_model_at_end``) and other code cal
 does not shard); :func:`save_state` / :func:`load_state` use the same four.  The layout is accelerate's for torch
 FSDP (names from ``accelerate.utils.constants``), so ``accelerate merge-weights`` and the Trainer's checkpoint
 detection keep working: SHARDED_STATE_DICT writes the DCP directories ``pytorch_model_fsdp_{i}/`` and
-``optimizer_{i}/`` from every rank (``checkpoint/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
+``optimizer_{i}/`` from every rank (``state/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
 ``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` / ``optimizer_{i}.bin`` from rank 0 (atomically).
 ``save_state`` writes the rest (scheduler, scaler, samplers, RNG, custom objects) with accelerate's own helpers,
 following accelerate 1.15's order of steps, hooks and ``automatic_checkpoint_naming`` / ``total_limit``.  Loading
@@ -212,7 +212,7 @@ def shard_size_of(acc: Any) -> int:
 
 
 def _parts(acc: Any, sharded: bool) -> List[str]:
-    """What a ``save_state`` directory holds once complete (``checkpoint/commit.py``'s manifest)."""
+    """What a ``save_state`` directory holds once complete (``state/commit.py``'s manifest)."""
     models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
     parts = []
     for base, count in ((FSDP_MODEL_NAME, len(models)), (OPTIMIZER_NAME, len(acc._optimizers))):
@@ -225,7 +225,7 @@ def _parts(acc: Any, sharded: bool) -> List[str]:
 def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True,
                async_save: Optional[bool] = None) -> str:
     """``Accelerator.save_state`` for accel_flatshard models; ``async_save`` (default: ``FLATSHARD_ASYNC_SAVE``)
-    returns once the state is in host memory and writes it in the background (``checkpoint/commit.py``)."""
+    returns once the state is in host memory and writes it in the background (``state/commit.py``)."""
     commit.wait_for_saves()
     background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
