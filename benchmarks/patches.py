@@ -92,7 +92,7 @@ def patch_rs_p2p(wrapped) -> None:
 
 
 # one handle for several works (+ a completion step): the engine's own
-from accel_flatshard.core.comm import _Works  # noqa: E402
+from accel_flatshard.core.handles import Handle as _Works  # noqa: E402
 
 
 def patch_bound_reduces(wrapped, max_inflight: int = 2) -> None:

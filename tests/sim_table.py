@@ -4,8 +4,8 @@ Sites (:func:`find_sites`): a walk of ``accel_flatshard/`` with ``ast`` lists ev
 
 * the device adapter's ``wait_stream``, ``wait_event``, ``record``, ``synchronize``, ``record_stream``,
   ``on``, ``collective``, ``to_device`` and ``to_host``;
-* the engine's ``begin_step``, ``wait_unshard``, ``finish_reduces``, ``drain`` and ``_wait`` (a collective's
-  completion),
+* the engine's ``begin_step``, ``wait_unshard``, ``finish_reduces``, ``drain`` and ``wait_for`` (a collective's
+  completion, ``handles.py``; ``_wait`` where it is imported under that name),
 
 wherever it is called (a unit's ``wait_unshard`` included).  A site is named by file, enclosing function and
 the call's rank among the calls of that name there (``engine.py::Engine.reshard::record_stream#0``), not by
@@ -49,7 +49,7 @@ POOL = ["tests/test_streams.py", "tests/test_offload_sim.py", "tests/test_sim_pa
         "tests/test_async_save.py::test_cuda_snapshot_copies_on_a_side_stream_that_the_next_update_waits_for"]
 
 REMOVE = {"wait_stream", "wait_event", "synchronize", "record_stream", "record",
-          "begin_step", "wait_unshard", "finish_reduces", "drain", "_wait"}
+          "begin_step", "wait_unshard", "finish_reduces", "drain", "wait_for", "_wait"}
 COMPUTE_STREAM_ARG = {"on", "collective"}
 ON_COMPUTE_STREAM = {"to_device", "to_host"}
 ORDERING_CALLS = REMOVE | COMPUTE_STREAM_ARG | ON_COMPUTE_STREAM

@@ -21,7 +21,7 @@ import models
 from dist_helpers import spawn, trainer_args, trainer_run_and_resume
 
 from accel_flatshard import ChainedOptimizer
-from accel_flatshard.features.matrix_optim import assign_owners
+from accel_flatshard.features.matrix_optim import balance_matrix_owners
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 
@@ -167,12 +167,12 @@ def _check_parity(results, world):
 
 # ---------------------------------------------------------------------- in-process
 def test_owners_are_balanced_by_matrix_size():
-    assert assign_owners([4, 4, 2, 2, 1], 2) == [0, 1, 0, 1, 0]
+    assert balance_matrix_owners([4, 4, 2, 2, 1], 2) == [0, 1, 0, 1, 0]
     sizes = [1024] * 8 + [2048] * 6
-    owners = assign_owners(sizes, 4)
+    owners = balance_matrix_owners(sizes, 4)
     loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(4)]
     assert max(loads) - min(loads) <= max(sizes) and sorted(set(owners)) == [0, 1, 2, 3]
-    assert assign_owners([5, 7], 1) == [0, 0]
+    assert balance_matrix_owners([5, 7], 1) == [0, 0]
 
 
 def test_chained_optimizer_steps_saves_and_loads_like_its_optimizers():

@@ -25,25 +25,7 @@ from ._compat import is_fake
 from .options import FlatShardOptions, env_flag
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
-
-
-class _Works:
-    """Several work handles (and an optional completion step) as one; none: work that already finished."""
-
-    def __init__(self, works=(), then=None) -> None:
-        self.works, self.then = list(works), then
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-        return True
-
-
-DONE = _Works()  # a synchronous call, or world size 1
+from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
 
 
 @runtime_checkable
@@ -226,7 +208,7 @@ class ShardGroup:
                 output.copy_(shard)
             return DONE
         if self.via_p2p:
-            return _waited(_all_gather_p2p(members, outputs, shards), async_op)
+            return waited(_all_gather_p2p(members, outputs, shards), async_op)
         if len(shards) == 1:
             work = _all_gather_flat(outputs[0], shards[0], group=members.group, async_op=async_op)
             return work if async_op else DONE
@@ -240,7 +222,7 @@ class ShardGroup:
                 output.view(members.size, -1).copy_(rows[:, start : start + size].view(shard.dtype))
                 start += size
 
-        return _waited(_Works([work] if async_op else [], then=copy_out), async_op)
+        return waited(Handle([work] if async_op else [], then=copy_out), async_op)
 
     def all_gather_quantized(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], block: int,
                              what: str, async_op: bool = True, kind: str = "other gather") -> Any:
@@ -265,7 +247,7 @@ class ShardGroup:
                                      "int8 block cannot carry them (set quantized_all_gather off to train on)")
                 dequantize_blocks(q, scales, block, out=output)
 
-        return _then(work, dequantize, async_op)
+        return followed_by(work, dequantize, async_op)
 
     def reduce_scatter_quantized(self, output: torch.Tensor, full: torch.Tensor, block: int, what: str,
                                  async_op: bool = True, propagate_non_finite: bool = False) -> Any:
@@ -278,7 +260,7 @@ class ShardGroup:
         self.bytes_reduced += q.numel() + scales.numel() * scales.element_size()
         self._count("reduction", self.shard, q.shape[1] + scales.shape[1] * scales.element_size())
         work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
-        return _then(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
+        return followed_by(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
@@ -292,12 +274,12 @@ class ShardGroup:
             output.copy_(full)
             return DONE
         if self.via_p2p:
-            return _waited(_reduce_scatter_p2p(self.shard, [output], [full]), async_op)
+            return waited(_reduce_scatter_p2p(self.shard, [output], [full]), async_op)
         if not self.reduce_scatter_via_all_reduce:
             work = _reduce_scatter_flat(output, full, group=self.shard_group, async_op=async_op)
             return work if async_op else DONE
         work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
-        return _waited(_Works([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
+        return waited(Handle([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
 
     def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
         """hpZ's reduction, exact (only the order of the sums differs): first inside the machine, then 1/N of it across
@@ -317,9 +299,9 @@ class ShardGroup:
         else:
             works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
                      for part, block in zip(partial, blocks)]
-            first = _Works(works if async_op else [])
+            first = Handle(works if async_op else [])
             second = lambda: _reduce_scatter_flat(output, partial.view(-1), group=column.group)  # noqa: E731
-        return _then(first, second, async_op)
+        return followed_by(first, second, async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Via all-reduce: this rank's part of the reduced ``full``, copied into ``output``."""
@@ -362,7 +344,7 @@ class ShardGroup:
         return tensor
 
 
-def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> _Works:
+def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> Handle:
     """All-gathers as one batch of sends and receives straight into the outputs' slots (safe to overlap other
     batches: every rank posts the same transfers, matched in order per pair of ranks and tag)."""
     ops = []
@@ -373,10 +355,10 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
             if peer != members.rank:
                 ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
-    return _Works(dist.batch_isend_irecv(ops))
+    return Handle(dist.batch_isend_irecv(ops))
 
 
-def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> _Works:
+def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> Handle:
     """Reduce-scatters of each ``fulls[j]`` into ``outputs[j]`` over ``members``, as one batch of sends of every
     peer's chunk and receives of theirs copies of ours; ``wait()`` sums them into the outputs (in rank order, so every
     rank adds in the same order)."""
@@ -400,7 +382,7 @@ def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls
             for part in parts[2:]:
                 output.add_(part)
 
-    return _Works(dist.batch_isend_irecv(ops) if ops else [], then=sum_into_outputs)
+    return Handle(dist.batch_isend_irecv(ops) if ops else [], then=sum_into_outputs)
 
 
 def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
@@ -414,24 +396,7 @@ def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inp
         if peer != members.rank:
             ops += [dist.P2POp(dist.isend, t, group=members.group, group_peer=peer, tag=3) for t in inputs[peer]]
             ops += [dist.P2POp(dist.irecv, t, group=members.group, group_peer=peer, tag=3) for t in outputs[peer]]
-    return _waited(_Works(dist.batch_isend_irecv(ops) if ops else []), async_op)
-
-
-def _then(work: Any, step: Callable[[], Any], async_op: bool) -> Any:
-    """``work`` followed by ``step`` (a dequantization): at once after a synchronous call (on the collective's
-    stream), else when the handle is waited for."""
-    if not async_op:
-        work.wait()
-        step()
-        return DONE
-    return _Works([work], then=step)
-
-
-def _waited(work: "_Works", async_op: bool) -> "_Works":
-    """A point-to-point batch, waited for when the call is synchronous."""
-    if not async_op:
-        work.wait()
-    return work
+    return waited(Handle(dist.batch_isend_irecv(ops) if ops else []), async_op)
 
 
 def _spans_the_world(group: dist.ProcessGroup) -> bool:
@@ -446,7 +411,7 @@ def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelt
     return dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)[0]
 
 
-# ---------------------------------------------------------------------- objects, agreement, rendezvous
+# ---------------------------------------------------------------------- objects, agreement on a failure
 # Collectives for state-dict and checkpoint code; ``group`` None (one process): each returns the local value.
 def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
@@ -501,19 +466,40 @@ def barrier(group: Optional[dist.ProcessGroup]) -> None:
             dist.barrier(group=group)
 
 
+def agree_on_failure(group: Optional[dist.ProcessGroup], failure: Any = None,
+                     timeout: Optional[datetime.timedelta] = None) -> List[Tuple[int, Any]]:
+    """Collective: which ranks of ``group`` failed, as ``(group rank, failure)`` pairs in rank order (``[]``: none
+    did), the same list on every rank, so that a rank that fails makes every rank raise instead of leaving the
+    others waiting in the next collective.  The one way ranks agree on a failure (:func:`agree_on_error`, the
+    asynchronous save's outcome, a sharded save's commit, a collective state dict's arrival check all ask it).
+
+    ``failure``: None (this rank succeeded), a message, or an exception (it travels as its class name and message).
+    ``timeout``: an arrival check instead (``group`` a gloo group, ``failure`` None): a monitored barrier; a rank
+    that does not come within ``timeout`` is this rank's failure, why (the missing ranks) returned at once and
+    only here (the others may not be there to hear it)."""
+    rank = 0 if _size(group) == 1 else dist.get_rank(group)
+    if timeout is not None:
+        try:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            return [(rank, str(e).strip())]
+        return []
+    mine = (type(failure).__name__, str(failure)) if isinstance(failure, BaseException) else failure
+    everyone = all_gather_object(group, mine) if _size(group) > 1 else [mine]
+    return [(r, f) for r, f in enumerate(everyone) if f is not None]
+
+
 def agree_on_error(group: Optional[dist.ProcessGroup], error: Optional[BaseException],
                    error_types: Sequence[type] = (), default: type = RuntimeError) -> None:
-    """Collective: raise on every rank if any had an error (none is left waiting in the next collective): its
-    own, else the first failing rank's class (by name in ``error_types``, else ``default``) and message."""
-    if _size(group) > 1:
-        mine = None if error is None else (type(error).__name__, str(error))
-        failed = [(r, e) for r, e in enumerate(all_gather_object(group, mine)) if e is not None]
-        if failed and error is None:
-            rank, (cls_name, message) = failed[0]
-            cls = next((t for t in error_types if t.__name__ == cls_name), default)
-            raise cls(f"rank {rank} failed: {message}")
+    """Collective (:func:`agree_on_failure`): raise on every rank if any had an error: its own, else the first
+    failing rank's class (by name in ``error_types``, else ``default``) and message."""
+    failed = agree_on_failure(group, error)
     if error is not None:
         raise error
+    if failed:
+        rank, (cls_name, message) = failed[0]
+        cls = next((t for t in error_types if t.__name__ == cls_name), default)
+        raise cls(f"rank {rank} failed: {message}")
 
 
 def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -521,16 +507,6 @@ def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     ranks = (list(range(dist.get_world_size(group))) if group is dist.group.WORLD
              else dist.get_process_group_ranks(group))
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-
-
-def rendezvous_or_fail(gloo_group: dist.ProcessGroup, timeout: datetime.timedelta) -> Optional[str]:
-    """Wait for every rank of ``gloo_group`` at a monitored barrier: None when all came, else why not (the
-    waiting rank fails fast instead of hanging in the next collective until the process-group timeout)."""
-    try:
-        dist.monitored_barrier(group=gloo_group, timeout=timeout, wait_all_ranks=True)
-    except RuntimeError as e:
-        return str(e).strip()
-    return None
 
 
 # ---------------------------------------------------------------------- one key space per elastic attempt

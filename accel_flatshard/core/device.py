@@ -8,7 +8,8 @@ the adapter, never a branch in the engine (docs/architecture-details.md section 
   recorded (:meth:`HostAdapter.record`);
 * how a collective is issued and completed (:meth:`HostAdapter.collective`: a work handle the host waits for, or an
   event the compute stream waits for), and work that must follow another (:meth:`HostAdapter.after`: issued at
-  once behind an event on CUDA; on the host, issued by :func:`advance` once its input is complete);
+  once behind an event on CUDA; on the host, issued by the handle's ``start()`` once its input is complete); every
+  completion is a :class:`~.handles.Handle`;
 * the gathered buffers' lifetime (:meth:`HostAdapter.alloc_gathered`, :meth:`HostAdapter.free_gathered` and its
   :meth:`HostAdapter.release`, and the gather rate limit :meth:`HostAdapter.wait_for_freed`), the full gradient
   handed to a reduction (:meth:`HostAdapter.reduction_input`), buffers of work beside the step
@@ -31,8 +32,8 @@ from typing import Any, Callable, Deque
 import torch
 
 from ._compat import map_tensors
-from .comm import DONE  # (the adapter issues and waits for comm's collectives)
 from .flat_param import FlatParameter
+from .handles import Handle
 from .spans import span
 
 # The adapter of engines made meanwhile (default: the device's); the memory planner's records memory (plan/run.py)
@@ -40,72 +41,6 @@ ADAPTER: contextvars.ContextVar = contextvars.ContextVar("flatshard_adapter", de
 
 # FSDP2's side-stream priority: communication kernels go ahead of queued compute kernels (lower = higher)
 HIGH_PRIORITY = -1
-
-
-class _EventWait:
-    """Completion of work on a side stream: ``wait()`` makes the compute stream wait (host does not block)."""
-
-    __slots__ = ("streams", "event")
-
-    def __init__(self, streams: "CudaStreams", event: Any) -> None:
-        self.streams, self.event = streams, event
-
-    def wait(self) -> None:
-        self.streams.compute_stream().wait_event(self.event)
-
-
-class _HostSync(_EventWait):
-    """Completion of a copy to host memory: ``wait()`` blocks the host (it reads the copy next)."""
-
-    __slots__ = ()
-
-    def wait(self) -> None:
-        self.streams.synchronize(self.event)
-
-
-class _WorkWait:
-    """Completion of a gloo collective: ``wait()`` blocks the host; keeps its input alive until then."""
-
-    __slots__ = ("work", "keep")
-
-    def __init__(self, work: Any, keep: Any) -> None:
-        self.work, self.keep = work, keep
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-        self.work, self.keep = None, None
-
-
-class _Later:
-    """Host work that needs another's result: issued by :func:`advance` (or its own ``wait()``) once that is done."""
-
-    __slots__ = ("issue", "started")
-
-    def __init__(self, issue: Callable[[], Any]) -> None:
-        self.issue, self.started = issue, None
-
-    def start(self) -> None:
-        if self.started is None:
-            # (the closure is dropped once run: it may hold the pending reduction that holds this handle, a cycle
-            # that would keep the reduced shard alive until the garbage collector ran)
-            issue, self.issue = self.issue, None
-            self.started = issue() or DONE
-
-    def wait(self) -> None:
-        self.start()
-        self.started.wait()
-
-
-def advance(handle: Any) -> None:
-    """Issue ``handle``'s work now if it waited for another's (host); work issued already is left alone."""
-    if isinstance(handle, _Later):
-        handle.start()
-
-
-def issued(handle: Any) -> bool:
-    """Whether ``handle``'s work was issued (host work that waits for another's is issued by :func:`advance`)."""
-    return handle is not None and (not isinstance(handle, _Later) or handle.started is not None)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -142,14 +77,15 @@ class HostAdapter:
         return contextlib.nullcontext()
 
     def collective(self, stream: Any, issue: Callable[[bool], Any], keep: Any = None) -> Any:
-        """Run ``issue(async_op=True)``; the handle blocks the host until the work finished."""
-        return _WorkWait(issue(True), keep)
+        """Run ``issue(async_op=True)``; the handle blocks the host until the work finished (``keep`` lives until
+        then)."""
+        return Handle([issue(True)], keep=keep)
 
     def after(self, before: Any, stream: Any, issue: Callable[[bool], Any], to_host: bool = False) -> Any:
-        """``issue(async_op)`` (on ``stream``) once ``before`` completed: here when :func:`advance` or ``wait()`` asks,
-        and the engine has completed ``before`` by then (its input exists); ``issue`` returns a work handle (a
-        collective) or None (a copy, done when it returns)."""
-        return _Later(lambda: _WorkWait(issue(True), None))
+        """``issue(async_op)`` (on ``stream``) once ``before`` completed: here when the handle's ``start()`` or
+        ``wait()`` asks, and the engine has completed ``before`` by then (its input exists); ``issue`` returns a
+        work handle (a collective) or None (a copy, done when it returns)."""
+        return Handle(issue=lambda: issue(True))
 
     # ---- buffers
     def alloc_gathered(self, flat: FlatParameter) -> torch.Tensor:
@@ -186,7 +122,7 @@ class HostAdapter:
         move = lambda t: t if t.device == self.device else t.to(self.device, non_blocking=self.stream_ordered)
         return map_tensors(move, (args, kwargs))
 
-    # CPU offload (offload.py) and host snapshots (checkpoint/commit.py): on CUDA host buffers are pinned, so that
+    # CPU offload (offload.py) and host snapshots (state/commit.py): on CUDA host buffers are pinned, so that
     # both copies run asynchronously to the host
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.stream_ordered)
@@ -249,7 +185,7 @@ class CudaStreams(HostAdapter):
         ``stream`` and may be dropped at once (same-stream reuse is ordered)."""
         with self.on(stream):
             issue(False)
-            return _EventWait(self, self.record(stream))
+            return Handle(event=self.record(stream), adapter=self)
 
     def after(self, before: Any, stream: Any, issue: Callable[[bool], Any], to_host: bool = False) -> Any:
         """``issue(async_op=False)`` on ``stream`` now, ordered behind ``before``'s event; its completion is an event
@@ -257,7 +193,7 @@ class CudaStreams(HostAdapter):
         self.wait_event(stream, before.event)
         with self.on(stream):
             issue(False)
-        return (_HostSync if to_host else _EventWait)(self, self.record(stream))
+        return Handle(event=self.record(stream), adapter=self, to_host=to_host)
 
     def free_gathered(self, flat: FlatParameter) -> None:
         # allocated on the all-gather stream, read on the compute stream: not reusable before those reads

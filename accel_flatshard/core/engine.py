@@ -23,8 +23,9 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .comm import Collectives
-from .device import ADAPTER, CudaStreams, HostAdapter, advance, issued
+from .device import ADAPTER, CudaStreams, HostAdapter
 from .flat_param import FlatParameter
+from .handles import Handle, issued, start, wait_for
 from .offload import HostOffload
 from .options import FlatShardOptions
 from .spans import span
@@ -36,14 +37,16 @@ MAX_PENDING_REDUCTIONS = 2
 
 @dataclass
 class _PendingReduce:
+    """One unit's reduction in flight: its buffers, and the completions of its steps (each a handle)."""
+
     flat: FlatParameter
-    reduced: Any  # completion of the reduce-scatter (event wait or work handle)
+    reduced: Handle  # completion of the reduce-scatter
     full_grad: Optional[torch.Tensor]  # kept alive until its reduction is complete
     shard_out: Optional[torch.Tensor]  # the reduced shard (None once offload copied it to the host)
     label: str
-    replicas: Any = None  # completion of the replica all-reduce (hybrid sharding)
+    replicas: Optional[Handle] = None  # completion of the replica all-reduce (hybrid sharding)
     host_grad: Optional[torch.Tensor] = None  # offload: the host buffer the reduced shard is copied into
-    copied: Any = None  # offload: completion of the copy into ``host_grad``
+    copied: Optional[Handle] = None  # offload: completion of the copy into ``host_grad``
 
 
 def gradient_predivide_factor(world_size: int) -> int:
@@ -144,7 +147,7 @@ class Engine:
         handles, label = entry  # (the label it was issued under)
         with span("wait_all_gather", label):
             for handle in handles:
-                _wait(handle, f"all-gather of unit {label or '?'}", self.group)
+                wait_for(handle, f"all-gather of unit {label or '?'}", self.group)
 
     @property
     def node_local(self) -> bool:
@@ -225,9 +228,9 @@ class Engine:
     def _complete_reduction(self, r: _PendingReduce) -> None:
         """The reduce-scatter of ``r`` is waited for; its full gradient is dropped, what follows it is issued."""
         with span("wait_reduce_scatter", r.label):
-            _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
+            wait_for(r.reduced, f"gradient reduction of unit {r.label}", self.group)
         r.full_grad = None
-        advance(r.replicas)  # (gloo: the replica all-reduce starts now that its input exists)
+        start(r.replicas)  # (gloo: the replica all-reduce starts now that its input exists)
         self._reduced.append(r)
 
     def finish_reduces(self) -> None:
@@ -239,12 +242,12 @@ class Engine:
             with span("wait_replica_all_reduce"):
                 for r in done:
                     if r.replicas is not None:
-                        _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+                        wait_for(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
         if self.offload is not None:
             # counted as reduction wait (exposed communication) in the profiler's phase table
             with span("wait_offload_copy"):
                 for r in done:
-                    _wait(r.copied, f"offload copy of unit {r.label}", self.group)
+                    wait_for(r.copied, f"offload copy of unit {r.label}", self.group)
             for r in done:
                 r.flat.accumulate_sharded_grad(r.host_grad)
             self.offload.targets_consumed()
@@ -266,10 +269,10 @@ class Engine:
         if self.offload is not None:
             self.offload.targets_consumed()
         for r in pending:
-            _wait(r.reduced, f"gradient reduction of unit {r.label}", self.group)
+            wait_for(r.reduced, f"gradient reduction of unit {r.label}", self.group)
         for r in pending + done:  # (on CUDA the replica all-reduce of a pending one is issued too)
             if issued(r.replicas):
-                _wait(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
+                wait_for(r.replicas, f"replica all-reduce of unit {r.label}", self.group)
                 if r.shard_out is not None:  # allocated on the reduce-scatter stream, written on the replica's
                     self.streams.record_stream(r.shard_out, self.streams.compute_stream())
 
@@ -281,16 +284,3 @@ class Engine:
             self.offload.wait_for_host_to_device_copies()
         self._shards_written = True
 
-
-def _wait(handle: Any, what: str, group: Collectives) -> None:
-    """Wait for a collective; if it fails (a peer died, the timeout expired) say which one it was."""
-    try:
-        handle.wait()
-    except ValueError:  # (the data, not the collective: a non-finite weight under quantized_all_gather)
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with context
-        raise RuntimeError(
-            f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} "
-            f"(shard group size {group.shard_size}). A peer rank probably died or stopped participating, "
-            f"or the process-group timeout expired. Original error: {exc}"
-        ) from exc

@@ -32,7 +32,7 @@ import torch.nn as nn
 from . import comm, options, registry
 from .flat_param import gather_full
 from .registry import record_of
-from .state_errors import CheckpointError, agree, dtype_to_str  # (also for optim.py, which imports it from here)
+from .state_errors import CHECKPOINT_ERRORS, CheckpointError, dtype_to_str
 
 
 TIMEOUT_ENV = "FLATSHARD_STATE_DICT_TIMEOUT_S"
@@ -74,8 +74,9 @@ def require_all_ranks(wrapper: nn.Module, what: str) -> None:
         return
     timeout_s, group = options.get(TIMEOUT_ENV), record.shard_group
     timeout = datetime.timedelta(seconds=timeout_s) if group.world_rank == 0 else _PEER_TIMEOUT
-    problem = comm.rendezvous_or_fail(record.gloo_group, timeout)
-    if problem is not None:
+    failed = comm.agree_on_failure(record.gloo_group, timeout=timeout)  # (a monitored barrier: who did not come)
+    if failed:
+        problem = failed[0][1]
         raise RuntimeError(
             f"accel_flatshard: {what} of {type(wrapper.module).__name__} is collective (its parameters are sharded "
             f"over {group.world_size} ranks), but rank {group.world_rank} waited {timeout_s:g} s and the other "
@@ -180,7 +181,8 @@ def plan_where_given(group, given: Any, what: str,
             error = e if isinstance(e, CheckpointError) else CheckpointError(f"{type(e).__name__}: {e}")
     if not local:
         plan, error = comm.broadcast_object(world, (plan, error))
-    agree(world if local else None, error)  # (broadcast: every rank has rank 0's error already)
+    # (broadcast: every rank has rank 0's error already)
+    comm.agree_on_error(world if local else None, error, CHECKPOINT_ERRORS, CheckpointError)
 
     def fetch(source: Optional[Dict[str, Any]], key: str, numel: int, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:

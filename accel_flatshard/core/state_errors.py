@@ -1,14 +1,10 @@
-"""What every checkpoint reader and writer shares: the errors a failed save or load raises, the dtype names
-checkpoints record and :func:`agree` (every rank raises when one fails).  It imports only ``comm``: ``state_dict/``
-(in-memory dicts, a layer below ``checkpoint/``) raises these errors too, and imports this module alone."""
+"""What every checkpoint reader and writer shares: the errors a failed save or load raises (:data:`CHECKPOINT_ERRORS`:
+the classes a rank raises when another rank's save or load failed, ``comm.agree_on_error``) and the dtype names
+checkpoints record.  It imports nothing of the package: ``core/model_state.py`` (in-memory dicts, a layer below
+``state/``) raises these errors too."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
-from . import comm
-
 
 
 class CheckpointError(RuntimeError):
@@ -17,6 +13,9 @@ class CheckpointError(RuntimeError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file asks to run code (e.g. a pickle referencing a non-allowed global)."""
+
+
+CHECKPOINT_ERRORS = (CheckpointError, UnsafeCheckpointError)
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -29,7 +28,3 @@ def str_to_dtype(name: str, source: str = "checkpoint") -> torch.dtype:
         raise CheckpointError(f"{source}: unknown dtype {name!r}")
     return value
 
-
-def agree(group, error: Optional[BaseException]) -> None:
-    """:func:`comm.agree_on_error` with this package's error classes."""
-    comm.agree_on_error(group, error, (CheckpointError, UnsafeCheckpointError), CheckpointError)

@@ -6,7 +6,7 @@ slice that may cut it anywhere (``flat_param.py``).  A Muon over sharded paramet
 :func:`owner_computes_step`, run before every step by the registry's optimizer hook, whatever built or wrapped it
 (``accelerator.prepare``, the Trainer's ``optimizers=``, a bare wrapper).  Then, at every step:
 
-* each matrix has an owner, a rank of its shard group, balanced by size (:func:`assign_owners`);
+* each matrix has an owner, a rank of its shard group, balanced by size (:func:`balance_matrix_owners`);
 * each rank's piece of every gradient and of every parameter goes to the matrix's owner by one all-to-all of
   point-to-point transfers, straight from the shards into the owner's buffer (``ShardGroup.all_to_all``);
 * the owner steps an optimizer of the user's own class over full-shaped stand-ins of the matrices it owns (the
@@ -40,10 +40,10 @@ import torch.nn as nn
 from ..core import comm, registry
 from ..core._compat import step_without_hooks
 from ..core.comm import ShardGroup
-from ..core.engine import _wait
+from ..core.handles import wait_for as _wait
 from ..core.spans import span
 
-__all__ = ["owner_computes_step", "assign_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
+__all__ = ["owner_computes_step", "balance_matrix_owners", "owner_computes_of", "OwnerComputes", "hidden_matrices",
            "matrix_optimizer_and_adamw"]
 
 # the user's optimizer -> its OwnerComputes (which holds the optimizer weakly: a dropped optimizer leaves nothing)
@@ -91,7 +91,7 @@ def matrix_optimizer_and_adamw(cls: type, model: nn.Module, lr: float = 1e-4) ->
     return ChainedOptimizer([cls(matrices, lr=lr), torch.optim.AdamW(rest, lr=lr)])
 
 
-def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:
+def balance_matrix_owners(sizes: Sequence[int], ranks: int) -> List[int]:
     """The owner of each matrix: the largest first, each to the least-loaded rank (ties: the lowest rank), so each
     rank's Newton-Schulz work and held momentum are about 1/ranks of the whole."""
     load, owners = [0] * ranks, [0] * len(sizes)
@@ -149,7 +149,7 @@ def _attach(optimizer: torch.optim.Optimizer, streams: Any = None) -> Optional["
             raise NotImplementedError(f"{type(optimizer).__name__} with CPU offload onto {flat.device}: the shards are "
                                       "in host memory and the matrix exchange runs on the device; train without "
                                       "fsdp_offload_params")
-    for m, owner in zip(matrices, assign_owners([m.numel for m in matrices], group.shard_size)):
+    for m, owner in zip(matrices, balance_matrix_owners([m.numel for m in matrices], group.shard_size)):
         m.owner = owner
     if streams is None:  # the model's own adapter (the planner's, or the tests' simulator once attached)
         streams = schedule.adapter

@@ -78,13 +78,13 @@ PATCHES: Tuple[Patch, ...] = (
           "transformers 4.57.6, 5.25", also_bound_in=("transformers.trainer",), wraps_original=True,
           optional_owner=True),
     Patch("trainer_checkpoint_commit", "transformers.trainer", "Trainer._save_checkpoint",
-          "accel_flatshard.integrations.state_io:committing_trainer_checkpoints",
+          "accel_flatshard.integrations.trainer_trl_peft:committing_trainer_checkpoints",
           "a Trainer checkpoint of a sharded model is complete only once every rank wrote its files (a commit marker, "
           "written last); FLATSHARD_ASYNC_SAVE writes its model and optimizer in the background; save_total_limit "
           "never deletes the newest complete checkpoint", "transformers 4.57.6, 5.25", wraps_original=True,
           essential=False, optional_owner=True),
     Patch("get_last_checkpoint", "transformers.trainer_utils", "get_last_checkpoint",
-          "accel_flatshard.integrations.state_io:newest_complete_trainer_checkpoint",
+          "accel_flatshard.integrations.trainer_trl_peft:newest_complete_trainer_checkpoint",
           "`resume_from_checkpoint=True` would pick the newest checkpoint folder even when its save was interrupted "
           "(no commit marker): it takes the newest complete one", "transformers 4.57.6, 5.25",
           also_bound_in=("transformers.trainer",), essential=False, optional_owner=True),

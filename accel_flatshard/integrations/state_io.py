@@ -7,7 +7,7 @@ The Trainer (checkpoints, resume, ``load_best_model_at_end``) and other code cal
 does not shard); :func:`save_state` / :func:`load_state` use the same four.  The layout is accelerate's for torch
 FSDP (names from ``accelerate.utils.constants``), so ``accelerate merge-weights`` and the Trainer's checkpoint
 detection keep working: SHARDED_STATE_DICT writes the DCP directories ``pytorch_model_fsdp_{i}/`` and
-``optimizer_{i}/`` from every rank (``checkpoint/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
+``optimizer_{i}/`` from every rank (``state/sharded.py``), FULL_STATE_DICT ``pytorch_model_fsdp.bin`` /
 ``pytorch_model_fsdp_{i}.bin`` (i > 0) and ``optimizer.bin`` / ``optimizer_{i}.bin`` from rank 0 (atomically).
 ``save_state`` writes the rest (scheduler, scaler, samplers, RNG, custom objects) with accelerate's own helpers,
 following accelerate 1.15's order of steps, hooks and ``automatic_checkpoint_naming`` / ``total_limit``.  Loading
@@ -16,12 +16,10 @@ advise for the final save), rank 0 deciding for everyone.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import os
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,7 +31,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULE
 
 from ..core import comm
 from ..state import commit
-from ..state.atomic import remove_dir, write_atomic, write_json_atomic
+from ..state.atomic import write_atomic
 from ..state.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
 from ..state.sharded import model_entries, optimizer_entries, save_entries
 from ..core.fully_sharded import FullyShardedDataParallel
@@ -62,12 +60,6 @@ def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------- one save, one load
-# (parts, readies) while an asynchronous save_state or Trainer checkpoint runs in this thread (see _save and
-# _snapshots): a context variable, so a save running in another thread (another Accelerator) never sees it
-SNAPSHOTS: contextvars.ContextVar[Optional[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]] = \
-    contextvars.ContextVar("accel_flatshard_snapshots", default=None)
-
-
 def _wrapper_of(model: nn.Module, use_dcp: bool, what: str) -> Optional[FullyShardedDataParallel]:
     """The accel_flatshard wrapper of ``model`` (None: accelerate's original applies); ``use_dcp=False`` raises."""
     wrapped = find_wrapper(model)
@@ -84,26 +76,22 @@ def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str,
     """Collective: ``save_sharded(dir)`` under SHARDED_STATE_DICT, else rank 0 writes ``gather_full()``.  During an
     asynchronous save (:data:`SNAPSHOTS` set) this step's state is copied to host memory instead (``entries()``
     under SHARDED, on the streams of ``adapter``, the model's device adapter; FULL: rank 0's gathered CPU copies) and
-    the writer of its part goes to the save's parts."""
+    the writer of its part goes to the save's parts (``state/commit.py``)."""
     os.makedirs(output_dir, exist_ok=True)
     sharded = state_dict_type_name(fsdp_plugin) == "SHARDED_STATE_DICT"
     path = os.path.join(output_dir, names[0] if sharded else names[1])
-    snapshots = SNAPSHOTS.get()
-    if sharded and snapshots is not None:
+    background = commit.saving_in_background()
+    if sharded and background:
         _, live, meta = entries()
-        snapshot, ready = commit.snapshot_entries(live, adapter)
-        snapshots[1].append(ready)
-        logger.info(f"async save: {commit.snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
-        snapshots[0].append((path, lambda writer: save_entries(writer, path, snapshot, meta)))
+        commit.defer_sharded(path, live, adapter, lambda writer, snapshot: save_entries(writer, path, snapshot, meta))
         return
     if sharded:
         logger.info(f"Saving {what} to {path}")
         save_sharded(path)
     else:
         state, main = gather_full(), accelerator.process_index == 0  # collective; rank 0 gets the dict, others {}
-        if snapshots is not None:
-            snapshots[0].append(
-                (path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp))))
+        if background:
+            commit.defer_write(path, lambda writer: main and write_atomic(path, lambda tmp: torch.save(state, tmp)))
             return
         if main:
             logger.info(f"Saving {what} to {path}")
@@ -218,8 +206,13 @@ def _each_model_and_optimizer(acc: Any, directory: str, model_fn: Callable[..., 
         optimizer_fn(acc.state.fsdp_plugin, acc, opt, model, directory, optimizer_index=i)
 
 
+def shard_size_of(acc: Any) -> int:
+    """The shard group size of the first accel_flatshard model of ``acc`` (the background writer's)."""
+    return next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
+
+
 def _parts(acc: Any, sharded: bool) -> List[str]:
-    """What a ``save_state`` directory holds once complete (``checkpoint/commit.py``'s manifest)."""
+    """What a ``save_state`` directory holds once complete (``state/commit.py``'s manifest)."""
     models = [m for m in acc._models if isinstance(m, FullyShardedDataParallel)]
     parts = []
     for base, count in ((FSDP_MODEL_NAME, len(models)), (OPTIMIZER_NAME, len(acc._optimizers))):
@@ -229,54 +222,10 @@ def _parts(acc: Any, sharded: bool) -> List[str]:
     return parts + [f"custom_checkpoint_{i}.pkl" for i in range(len(acc._custom_objects))]
 
 
-@contextlib.contextmanager
-def _snapshots(background: bool) -> Iterator[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]:
-    """``(writes, readies)``: while open and ``background``, save_fsdp_* copy their state to host memory and add
-    the writer of their part to ``writes`` (and the wait for the copies to ``readies``) instead of writing."""
-    writes, readies = [], []
-    token = SNAPSHOTS.set((writes, readies) if background else None)
-    try:
-        yield writes, readies
-    finally:
-        SNAPSHOTS.reset(token)
-
-
-def _begin_save(acc: Any, output_dir: str, parts: List[str], step: int) -> Dict[str, Any]:
-    """Rank 0 marks ``output_dir`` incomplete (the pending manifest, returned) until :func:`_end_save` commits it."""
-    manifest = {"parts": parts, "step": step, "world_size": acc.num_processes}
-    if acc.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        if os.path.exists(os.path.join(output_dir, commit.COMPLETE_FILE)):
-            os.remove(os.path.join(output_dir, commit.COMPLETE_FILE))
-        write_json_atomic(os.path.join(output_dir, commit.PENDING_FILE), manifest)
-    acc.wait_for_everyone()
-    return manifest
-
-
-def _end_save(acc: Any, output_dir: str, manifest: Dict[str, Any], background: bool, writes: List[Tuple[str, Callable]],
-              readies: List[Callable[[], None]], prune: Callable[[], None]) -> None:
-    """Rank 0 writes the commit marker (the save's last file, then ``prune()``) once every rank's files are
-    written: here, or after the background writer ran ``writes`` (``checkpoint/commit.py``)."""
-    def commit_marker() -> None:
-        write_json_atomic(os.path.join(output_dir, commit.COMPLETE_FILE), manifest)
-        os.remove(os.path.join(output_dir, commit.PENDING_FILE))
-        prune()
-
-    if background:
-        shard_size = next(m for m in acc._models if isinstance(m, FullyShardedDataParallel)).shard_group.shard_size
-        writer = commit.writer_group(torch.distributed.group.WORLD if acc.num_processes > 1 else None, shard_size)
-        commit.start_save(output_dir, writes, writer, lambda: [ready() for ready in readies], commit_marker, True)
-        return
-    acc.wait_for_everyone()  # every rank's files are written
-    if acc.is_main_process:
-        commit_marker()
-    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files and the marker
-
-
 def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = True,
                async_save: Optional[bool] = None) -> str:
     """``Accelerator.save_state`` for accel_flatshard models; ``async_save`` (default: ``FLATSHARD_ASYNC_SAVE``)
-    returns once the state is in host memory and writes it in the background (``checkpoint/commit.py``)."""
+    returns once the state is in host memory and writes it in the background (``state/commit.py``)."""
     commit.wait_for_saves()
     background = getattr(acc, "flatshard_async_save", False) if async_save is None else bool(async_save)
     config = acc.project_configuration
@@ -285,21 +234,11 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
     if config.automatic_checkpoint_naming:
-        if acc.is_main_process:  # never the newest complete checkpoint (commit.prune_checkpoints)
-            commit.prune_checkpoints(root, config.total_limit, reserve=1)
-        output_dir = os.path.join(root, f"checkpoint_{acc.save_iteration}")
-        acc.wait_for_everyone()  # no rank looks while rank 0 still deletes (a half-deleted folder reads complete)
-        if os.path.exists(output_dir) and commit.missing_parts(output_dir) is None:
-            raise ValueError(
-                f"Checkpoint directory {output_dir} ({acc.save_iteration}) already exists. Please manually override "
-                "`self.save_iteration` with what iteration to start with.")
-        acc.wait_for_everyone()
-        if acc.is_main_process and os.path.exists(output_dir):  # an interrupted save's leftovers
-            remove_dir(output_dir)
+        output_dir = commit.fresh_numbered_dir(acc, root, config.total_limit, acc.save_iteration)
     logger.info(f"Saving current state to {output_dir}")
     sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
-    manifest = _begin_save(acc, output_dir, _parts(acc, sharded), acc.step)
-    with _snapshots(background) as (writes, readies):
+    manifest = commit.mark_pending(acc, output_dir, _parts(acc, sharded), acc.step)
+    with commit.snapshots(background) as (writes, readies):
         _each_model_and_optimizer(acc, output_dir, save_fsdp_model, save_fsdp_optimizer)
     for hook in acc._save_model_state_pre_hook.values():
         hook(acc._models, [], output_dir)  # accelerate calls the pre-hooks here, with no weights for FSDP models
@@ -313,8 +252,10 @@ def save_state(acc: Any, output_dir: Optional[str], safe_serialization: bool = T
     for i, obj in enumerate(acc._custom_objects):
         save_custom_state(obj, output_dir, i, save_on_each_node=save_on_each_node)
     config.iteration += 1
-    _end_save(acc, output_dir, manifest, background, writes, readies,
-              lambda: config.automatic_checkpoint_naming and commit.prune_checkpoints(root, config.total_limit))
+    commit.commit_when_written(
+        acc, output_dir, manifest, writes, readies,
+        lambda: config.automatic_checkpoint_naming and commit.prune_checkpoints(root, config.total_limit),
+        shard_size_of(acc))
     return str(save_location)
 
 
@@ -354,45 +295,3 @@ def load_state(acc: Any, input_dir: Optional[str], load_kwargs: Optional[dict] =
             "registered objects.")
     for index, obj in enumerate(acc._custom_objects):
         load_custom_state(obj, input_dir, index)
-
-
-# ---------------------------------------------------------------------- Trainer checkpoints (patches.py)
-def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer._save_checkpoint`` of an accel_flatshard model: the checkpoint gets the commit marker once every
-    rank's files are written; under ``FLATSHARD_ASYNC_SAVE`` its model (SHARDED) and optimizer are written in the
-    background; ``save_total_limit`` is applied after the commit, never deleting the newest complete checkpoint."""
-    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        acc = self.accelerator
-        if not any(isinstance(m, FullyShardedDataParallel) for m in acc._models):
-            return original(self, model, trial, *args, **kwargs)
-        commit.wait_for_saves()
-        run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
-        parts = [accelerate_names(FSDP_MODEL_NAME, 0)[0] + "/"] if sharded else []
-        if not self.args.save_only_model:
-            parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0 if sharded else 1] + ("/" if sharded else ""))
-        manifest = _begin_save(acc, output_dir, parts + ["trainer_state.json"], self.state.global_step)
-        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
-        background = getattr(acc, "flatshard_async_save", False)
-        with _snapshots(background) as (writes, readies):
-            if background and not sharded:  # FULL: rank 0's gathered copy is the snapshot; the Trainer writes it later
-                save_now = self._save
-                self._save = lambda out=None, state_dict=None: writes.append(
-                    ("the model (Trainer._save)", lambda group: save_now(out, state_dict=state_dict)))
-            self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
-            try:
-                result = original(self, model, trial, *args, **kwargs)
-            finally:
-                self.args.save_total_limit = limit
-                self.__dict__.pop("_save", None)
-        _end_save(acc, output_dir, manifest, background, writes, readies,
-                  lambda: commit.prune_checkpoints(run_dir, limit, prefix="checkpoint-", protect=[best]))
-        return result
-
-    return _save_checkpoint
-
-
-def newest_complete_trainer_checkpoint(folder: str) -> Optional[str]:
-    """``transformers.trainer_utils.get_last_checkpoint`` skipping incomplete checkpoints (``resume_from_...``)."""
-    return commit.newest_complete_checkpoint(folder, prefix="checkpoint-")

@@ -4,17 +4,23 @@ Five functions of theirs know only torch's wrappers; :mod:`.patches` replaces ea
 table there says why): ``extract_model_from_parallel`` (how PEFT and TRL unwrap) and ``get_parameter_names`` (the
 Trainer's weight-decay names) get :func:`seeing_through_wrapper`; TRL's ``prepare_fsdp`` (reference / teacher
 models) :func:`sharding_reference_models`; ``Trainer.save_model`` :func:`saving_final_model_in_full`;
-``Trainer._validate_args`` :func:`accepting_optimizers_when_sharding`.
+``Trainer._validate_args`` :func:`accepting_optimizers_when_sharding`.  And the Trainer's checkpoints follow the
+commit protocol (``state/commit.py``): ``Trainer._save_checkpoint`` gets :func:`committing_trainer_checkpoints`,
+``get_last_checkpoint`` :func:`newest_complete_trainer_checkpoint`.
 """
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from ..core.fully_sharded import FullyShardedDataParallel
-
+from ..state import commit
+from .config import state_dict_type_name
+from .state_io import accelerate_names, shard_size_of
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,3 +86,46 @@ def accepting_optimizers_when_sharding(original: Callable) -> Callable:
             self.is_fsdp_enabled = True
 
     return _validate_args
+
+
+# ---------------------------------------------------------------------- Trainer checkpoints (state/commit.py)
+def committing_trainer_checkpoints(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._save_checkpoint`` of an accel_flatshard model: the checkpoint gets the commit marker once every
+    rank's files are written; under ``FLATSHARD_ASYNC_SAVE`` its model (SHARDED) and optimizer are written in the
+    background; ``save_total_limit`` is applied after the commit, never deleting the newest complete checkpoint."""
+    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        acc = self.accelerator
+        if not any(isinstance(m, FullyShardedDataParallel) for m in acc._models):
+            return original(self, model, trial, *args, **kwargs)
+        commit.wait_for_saves()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        sharded = state_dict_type_name(acc.state.fsdp_plugin) == "SHARDED_STATE_DICT"
+        parts = [accelerate_names(FSDP_MODEL_NAME, 0)[0] + "/"] if sharded else []
+        if not self.args.save_only_model:
+            parts.append(accelerate_names(OPTIMIZER_NAME, 0)[0 if sharded else 1] + ("/" if sharded else ""))
+        manifest = commit.mark_pending(acc, output_dir, parts + ["trainer_state.json"], self.state.global_step)
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+        background = getattr(acc, "flatshard_async_save", False)
+        with commit.snapshots(background) as (writes, readies):
+            if background and not sharded:  # FULL: rank 0's gathered copy is the snapshot; the Trainer writes it later
+                save_now = self._save
+                self._save = lambda out=None, state_dict=None: writes.append(
+                    ("the model (Trainer._save)", lambda group: save_now(out, state_dict=state_dict)))
+            self.args.save_total_limit = None  # rotated here, once the new checkpoint is complete
+            try:
+                result = original(self, model, trial, *args, **kwargs)
+            finally:
+                self.args.save_total_limit = limit
+                self.__dict__.pop("_save", None)
+        commit.commit_when_written(
+            acc, output_dir, manifest, writes, readies,
+            lambda: commit.prune_checkpoints(run_dir, limit, prefix="checkpoint-", protect=[best]), shard_size_of(acc))
+        return result
+
+    return _save_checkpoint
+
+
+def newest_complete_trainer_checkpoint(folder: str) -> Optional[str]:
+    """``transformers.trainer_utils.get_last_checkpoint`` skipping incomplete checkpoints (``resume_from_...``)."""
+    return commit.newest_complete_checkpoint(folder, prefix="checkpoint-")

@@ -1,13 +1,20 @@
-"""Crash-consistent ``save_state`` directories, and the asynchronous save (host snapshot, background writer).
+"""The checkpoint commit protocol: crash-consistent checkpoint directories, and the asynchronous save (host
+snapshot, background writer).
 
-docs/architecture-details.md section 7 tells both stories: :data:`PENDING_FILE` first, the commit marker
-:data:`COMPLETE_FILE` last.  A directory with neither marker (plain accelerate, older accel_flatshard) is judged by
-its files; an empty one is incomplete.
+docs/architecture-details.md section 7 tells both stories: :func:`mark_pending` writes :data:`PENDING_FILE`
+first, :func:`commit_when_written` the commit marker :data:`COMPLETE_FILE` last, once every rank's files are written
+(then prunes: :func:`prune_checkpoints`, never the newest complete one).  A directory with neither marker (plain
+accelerate, older accel_flatshard) is judged by its files; an empty one is incomplete.  While :func:`snapshots` is
+open with ``background``, the parts of a save are copied to host memory (:func:`defer_sharded`,
+:func:`defer_write`) and written by :func:`start_save`'s background writer.  The callers
+(``integrations/state_io.py``: ``save_state``, the four FSDP functions; ``integrations/trainer_trl_peft.py``: the
+Trainer's checkpoints) say only what a save holds.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -15,13 +22,13 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from ..core import comm
 from ..core.device import HostAdapter
-from .atomic import remove_dir
+from .atomic import remove_dir, write_json_atomic
 from .dcp import Entry, FlatRange
 from ..core.state_errors import CheckpointError
 
@@ -102,6 +109,99 @@ def prune_checkpoints(root: str, total_limit: Optional[int], reserve: int = 0, p
     if deleted:
         logger.warning(f"total_limit {total_limit}: deleted {deleted}")
     return deleted
+
+
+# ---------------------------------------------------------------------- one save: pending, then committed
+# ``acc`` below: the Accelerator (``is_main_process``, ``num_processes``, ``wait_for_everyone()``)
+def fresh_numbered_dir(acc: Any, root: str, total_limit: Optional[int], iteration: int) -> str:
+    """``root/checkpoint_<iteration>`` made ready for a save (accelerate's ``automatic_checkpoint_naming``): older
+    ones pruned to leave room for it (never the newest complete one), an interrupted save's leftovers removed;
+    a complete one there raises."""
+    if acc.is_main_process:
+        prune_checkpoints(root, total_limit, reserve=1)
+    output_dir = os.path.join(root, f"checkpoint_{iteration}")
+    acc.wait_for_everyone()  # no rank looks while rank 0 still deletes (a half-deleted folder reads complete)
+    if os.path.exists(output_dir) and missing_parts(output_dir) is None:
+        raise ValueError(
+            f"Checkpoint directory {output_dir} ({iteration}) already exists. Please manually override "
+            "`self.save_iteration` with what iteration to start with.")
+    acc.wait_for_everyone()
+    if acc.is_main_process and os.path.exists(output_dir):  # an interrupted save's leftovers
+        remove_dir(output_dir)
+    return output_dir
+
+
+def mark_pending(acc: Any, output_dir: str, parts: List[str], step: int) -> Dict[str, Any]:
+    """Rank 0 marks ``output_dir`` incomplete (the pending manifest of ``parts``, returned) until
+    :func:`commit_when_written` commits it."""
+    manifest = {"parts": parts, "step": step, "world_size": acc.num_processes}
+    if acc.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        if os.path.exists(os.path.join(output_dir, COMPLETE_FILE)):
+            os.remove(os.path.join(output_dir, COMPLETE_FILE))
+        write_json_atomic(os.path.join(output_dir, PENDING_FILE), manifest)
+    acc.wait_for_everyone()
+    return manifest
+
+
+def commit_when_written(acc: Any, output_dir: str, manifest: Dict[str, Any],
+                        writes: Optional[List[Tuple[str, Callable]]], readies: List[Callable[[], None]],
+                        prune: Callable[[], Any], shard_size: int) -> None:
+    """Rank 0 writes the commit marker (the save's last file, then ``prune()``) once every rank's files are
+    written: here, or (``writes`` not None: the parts :func:`snapshots` collected) after the background writer ran
+    ``writes`` on a writer group over every rank (``shard_size``: the model's)."""
+    def commit_marker() -> None:
+        write_json_atomic(os.path.join(output_dir, COMPLETE_FILE), manifest)
+        os.remove(os.path.join(output_dir, PENDING_FILE))
+        prune()
+
+    if writes is not None:
+        writer = writer_group(dist.group.WORLD if acc.num_processes > 1 else None, shard_size)
+        start_save(output_dir, writes, writer, lambda: [ready() for ready in readies], commit_marker, True)
+        return
+    acc.wait_for_everyone()  # every rank's files are written
+    if acc.is_main_process:
+        commit_marker()
+    acc.wait_for_everyone()  # a load (or a copy) right after must see every rank's files and the marker
+
+
+# (writes, readies) while an asynchronous save runs in this thread (:func:`snapshots`): a context variable, so a
+# save running in another thread (another Accelerator) never sees it
+SNAPSHOTS: contextvars.ContextVar[Optional[Tuple[List[Tuple[str, Callable]], List[Callable[[], None]]]]] = \
+    contextvars.ContextVar("accel_flatshard_snapshots", default=None)
+
+
+@contextlib.contextmanager
+def snapshots(background: bool) -> Iterator[Tuple[Optional[List[Tuple[str, Callable]]], List[Callable[[], None]]]]:
+    """``(writes, readies)``: while open and ``background``, the parts of a save are copied to host memory and the
+    writer of each goes to ``writes`` (the wait for its copies to ``readies``) instead of writing
+    (:func:`defer_sharded`, :func:`defer_write`); ``writes`` is None when not ``background``."""
+    writes, readies = ([], []) if background else (None, [])
+    token = SNAPSHOTS.set((writes, readies) if background else None)
+    try:
+        yield writes, readies
+    finally:
+        SNAPSHOTS.reset(token)
+
+
+def saving_in_background() -> bool:
+    """Whether the parts of a save go to the background writer now (:func:`snapshots`)."""
+    return SNAPSHOTS.get() is not None
+
+
+def defer_write(path: str, write: Callable[[Any], Any]) -> None:
+    """Background save: ``write(writer group)`` writes the part at ``path`` (its state is a host copy already)."""
+    SNAPSHOTS.get()[0].append((path, write))
+
+
+def defer_sharded(path: str, live: Dict[str, Entry], adapter: Optional[HostAdapter],
+                  write: Callable[[Any, Dict[str, Entry]], Any]) -> None:
+    """Background save: ``live`` (this rank's entries of a sharded part) copied to host memory as it is now (on the
+    streams of ``adapter``, :func:`snapshot_entries`), ``write(writer group, snapshot)`` writes it later."""
+    snapshot, ready = snapshot_entries(live, adapter)
+    SNAPSHOTS.get()[1].append(ready)
+    logger.info(f"async save: {snapshot_bytes(snapshot) / 2**20:.1f} MiB host snapshot for {path}")
+    defer_write(path, lambda writer: write(writer, snapshot))
 
 
 # ---------------------------------------------------------------------- host snapshot
@@ -196,9 +296,9 @@ SAVES = _Saves()
 
 
 def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]], group: Any,
-               ready: Callable[[], None], commit: Callable[[], None], background: bool) -> None:
+               ready: Callable[[], None], commit_marker: Callable[[], None], background: bool) -> None:
     """Run every ``write(group)`` of ``parts`` ((what, write) pairs; ``group`` from :func:`writer_group`), then
-    gather every rank's outcome over ``group``; when all succeeded, rank 0 calls ``commit()`` (the commit marker).
+    gather every rank's outcome over ``group``; when all succeeded, rank 0 calls ``commit_marker()``.
     ``background``: on a thread (the caller returns at once), else here.  Waits for the previous save first."""
     wait_for_saves()
     save = _Save()
@@ -217,13 +317,13 @@ def start_save(directory: str, parts: Sequence[Tuple[str, Callable[[Any], None]]
         except BaseException as exc:  # noqa: BLE001 - reported on every rank, raised by wait_for_saves
             status = f"rank {rank} writing {status}: {type(exc).__name__}: {exc}"
         try:
-            failed = [s for s in comm.all_gather_object(world, status) if s]
+            failed = [s for _, s in comm.agree_on_failure(world, status)]
         except Exception as exc:  # noqa: BLE001 - a rank died mid-save: its files are not vouched for
             failed = [status or f"rank {rank} gathering every rank's outcome (a rank died?): {type(exc).__name__}: "
                                 f"{exc}"]
         if not failed and rank == 0:
             try:
-                commit()
+                commit_marker()
             except Exception as exc:  # noqa: BLE001
                 failed = [f"rank 0 committing {os.path.join(directory, COMPLETE_FILE)}: {type(exc).__name__}: {exc}"]
         if failed:

@@ -50,7 +50,7 @@ from .optim import (LOCAL,
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
 from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
 from .dcp import storage_records
-from ..core.state_errors import CheckpointError, UnsafeCheckpointError, agree, dtype_to_str, str_to_dtype
+from ..core.state_errors import CHECKPOINT_ERRORS, CheckpointError, UnsafeCheckpointError, dtype_to_str, str_to_dtype
 
 
 META_FILE = "flatshard.json"
@@ -419,9 +419,9 @@ def save_entries(group, directory: str, entries: Dict[str, Entry], meta: Dict[st
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # (gone already once committed)
-    status = comm.broadcast_object(world, status)
-    if status is not None:
-        raise CheckpointError(f"saving {directory} failed (the previous checkpoint there is untouched): {status}")
+    failed = comm.agree_on_failure(world, status)  # (only rank 0 can fail here)
+    if failed:
+        raise CheckpointError(f"saving {directory} failed (the previous checkpoint there is untouched): {failed[0][1]}")
 
 
 def open_checkpoint(directory: str, kind: Optional[str] = None) -> Tuple[str, Dict[str, Any], Metadata]:
@@ -466,5 +466,6 @@ def load_entries(group, directory: str, meta: Dict[str, Any], md: Optional[Metad
                 error = CheckpointError("checkpoint files are damaged:\n  " + "\n  ".join(problems))
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
-    agree(world, error)  # raises on every rank unless every rank got through the checks (crcs is set)
+    # raises on every rank unless every rank got through the checks (crcs is set)
+    comm.agree_on_error(world, error, CHECKPOINT_ERRORS, CheckpointError)
     dcp_load(entries, directory, md, FlatLoadPlanner(), world, crcs if verify_checksums else None)
