@@ -51,14 +51,14 @@ def test_every_lookup_finds_the_models_record(world_of_one):
     assert registry.record_of_param(torch.nn.Parameter(torch.zeros(2))) is None
 
 
-def test_a_step_reaches_the_handlers_only_for_an_optimizer_over_sharded_parameters(world_of_one, handler):
+def test_every_step_reaches_the_handlers_with_the_models_its_optimizer_steps(world_of_one, handler):
     wrapped = FullyShardedDataParallel(torch.nn.Linear(4, 4))
     plain = torch.nn.Linear(4, 4)
-    torch.optim.SGD(plain.parameters(), lr=0.1).step()
-    assert handler == []
+    alone = torch.optim.SGD(plain.parameters(), lr=0.1)
+    alone.step()  # (a plain optimizer's step may concern a prepared model too: TRL's sync_ref_model)
     optimizer = torch.optim.SGD([*plain.parameters(), *wrapped.parameters()], lr=0.1)
     optimizer.step()
-    assert handler == [(optimizer, [registry.record_of(wrapped)])]
+    assert handler == [(alone, []), (optimizer, [registry.record_of(wrapped)])]
 
 
 def test_a_dropped_model_leaves_no_record(world_of_one):

@@ -81,7 +81,7 @@ class HostOffload:
 
 
 # ---------------------------------------------------------------------- the host optimizer step Process-wide on
-# purpose: any step of an optimizer over sharded parameters may write another model's host shards (TRL's sync_ref_model
+# purpose: any optimizer step may write another model's host shards (TRL's sync_ref_model
 # after the policy's step).  Weak: a dropped model leaves nothing.
 _LIVE: "weakref.WeakSet[HostOffload]" = weakref.WeakSet()
 

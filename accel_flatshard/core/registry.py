@@ -6,8 +6,9 @@ generation control here, from the wrapper, the user's module, a unit's module or
   nothing behind); parameters and unit modules find it through weak dictionaries keyed by identity.
 * Features attach their per-model state to the record (``record.generation``), never to the user's objects.
 * Two process-wide optimizer hooks, one before and one after every ``optimizer.step()``, registered the first time a
-  model is prepared (:func:`on_step` adds what they run).  Each dispatches to its handlers only for an optimizer
-  that holds parameters of a prepared model, giving them the records of those models.
+  model is prepared (:func:`on_step` adds what they run).  Each runs its handlers for every optimizer, giving them
+  the records of the prepared models whose parameters it holds (none for a plain optimizer: a step of any optimizer
+  may still concern a prepared model, e.g. TRL's ``sync_ref_model`` writes a frozen reference after the policy's).
 * Wrap listeners (:func:`on_wrap`): what features do to a module before it is sharded (bitsandbytes' 4-bit layers)
   and to its record after (gather-once ``generate()``, the ``FLATSHARD_PROFILE`` profiler).  A feature's module
   registers them when it is imported; ``accel_flatshard/__init__.py`` imports every such module.
@@ -135,8 +136,8 @@ def records_of_optimizer(optimizer: torch.optim.Optimizer) -> List[Prepared]:
 
 
 def on_step(pre: Optional[StepHandler] = None, post: Optional[StepHandler] = None) -> None:
-    """Run ``pre(optimizer, records)`` before and ``post(optimizer, records)`` after each step of an optimizer
-    holding parameters of prepared models (in the order handlers were added)."""
+    """Run ``pre(optimizer, records)`` before and ``post(optimizer, records)`` after each step of every optimizer
+    (in the order handlers were added); ``records``: the prepared models whose parameters it holds, maybe none."""
     for handlers, handler in ((_PRE, pre), (_POST, post)):
         if handler is not None and handler not in handlers:
             handlers.append(handler)
@@ -153,6 +154,6 @@ def on_wrap(before: Optional[Callable[[nn.Module, Any], None]] = None,
 def _dispatch(handlers: List[StepHandler]) -> Callable[..., None]:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         records = records_of_optimizer(optimizer) if handlers else []
-        for handler in list(handlers) if records else ():
+        for handler in list(handlers):
             handler(optimizer, records)
     return hook

@@ -394,8 +394,8 @@ class Schedule:
 
 
 def refuse_step_during_backward(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
-    """Before every step of an optimizer over sharded parameters (``registry.on_step``): no step on gradients of an
-    unfinished backward."""
+    """Before every optimizer step (``registry.on_step``): no step on gradients of a prepared model's unfinished
+    backward."""
     for record in records:
         if record.schedule.in_backward:
             if inside_backward_pass():

@@ -160,7 +160,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-# Process-wide on purpose: release_frozen_units runs after every step over sharded parameters, and a step of one model's
+# Process-wide on purpose: release_frozen_units runs after every optimizer step, and a step of one model's
 # optimizer
 # must release every frozen model's kept units (TRL's sync_ref_model writes the reference's shards after the policy's
 # step).  Weak: a dropped model leaves nothing; each control is otherwise its own model's object.
@@ -219,8 +219,8 @@ def _keep_units_of_no_grad_forwards(module: nn.Module, args: Any) -> None:
 
 
 def release_frozen_units(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
-    """After every step over sharded parameters (``registry.on_step``): it may change shards, so frozen models'
-    units are freed."""
+    """After every optimizer step (``registry.on_step``): it may change shards, so frozen models' units are
+    freed."""
     for control in list(_CONTROLS):
         if not control.active:
             control.schedule.release()

@@ -107,8 +107,8 @@ def owner_computes_of(optimizer: torch.optim.Optimizer) -> Optional["OwnerComput
 
 
 def owner_computes_step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
-    """Before every step over sharded parameters (``registry.on_step``): a Muon steps owner-computes; any other
-    optimizer is left alone."""
+    """Before every optimizer step (``registry.on_step``): a Muon over sharded parameters steps owner-computes; any
+    other optimizer, or a Muon over unsharded parameters, is left alone."""
     classes = matrix_optimizer_classes()
     if not classes or not isinstance(optimizer, classes):
         return

@@ -190,7 +190,7 @@ def stop_env_profiler() -> None:
 
 
 def _step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
-    """After every step over sharded parameters (``registry.on_step``): the running profiler steps too."""
+    """After every optimizer step (``registry.on_step``): the running profiler steps too."""
     if _ENV_PROFILER is not None:
         _ENV_PROFILER.step()
 
