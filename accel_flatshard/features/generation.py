@@ -150,6 +150,7 @@ class GenerationControl:
     def sync_frozen_hook(self) -> None:
         """The root pre-forward hook of ``keep_frozen_gathered`` is registered while the option is on."""
         if self.options.keep_frozen_gathered and self._frozen_hook is None:
+            registry.on_step(post=release_frozen_units)  # (from the first frozen model on; idempotent)
             self._frozen_hook = self.wrapper.module.register_forward_pre_hook(_keep_units_of_no_grad_forwards)
         elif not self.options.keep_frozen_gathered and self._frozen_hook is not None:
             self._frozen_hook.remove()
@@ -264,5 +265,4 @@ def _on_wrap(record: registry.Prepared) -> None:
         control_of(record.wrapper)
 
 
-registry.on_step(post=release_frozen_units)
 registry.on_wrap(after=_on_wrap)

@@ -176,6 +176,7 @@ def start_from_env(rank: int) -> Optional[Any]:
     prof = profile(activities=activities, on_trace_ready=cycle_done,
                    schedule=schedule(wait=0, warmup=warmup, active=every - warmup))
     prof.start()
+    registry.on_step(post=_step)  # (idempotent: one profiler per process)
     atexit.register(stop_env_profiler)
     _ENV_PROFILER = prof
     return prof
@@ -201,5 +202,4 @@ def _on_wrap(record: registry.Prepared) -> None:
         start_from_env(record.shard_group.world_rank)
 
 
-registry.on_step(post=_step)
 registry.on_wrap(after=_on_wrap)
