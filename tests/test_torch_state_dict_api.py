@@ -177,3 +177,22 @@ def test_dcp_checkpoint_loads_into_a_plain_model(run2):
     set_state_dict(plain, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = models.train(plain, _data()[STEPS:], optimizer=opt)
     assert max(abs(a - b) for a, b in zip(got, losses[STEPS:])) < TOL, (got, losses)
+
+
+# ---------------------------------------------------------------------- the torchtitan-style example
+def _losses(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_torchtitan_style_example_resumes_from_its_async_dcp_checkpoint(tmp_path):
+    from launch_helpers import CPU_FSDP_YAML, REPO, launch
+
+    script = REPO / "examples" / "torch_dcp_loop.py"
+    first = launch(CPU_FSDP_YAML, script, ["--output_dir", str(tmp_path / "a"), "--steps", "6",
+                                           "--checkpointing_steps", "3", "--async_save"])
+    resumed = launch(CPU_FSDP_YAML, script, ["--output_dir", str(tmp_path / "b"), "--steps", "6",
+                                             "--resume_from", str(tmp_path / "a" / "step-3")])
+    assert f"resumed from {tmp_path / 'a' / 'step-3'} at step 3" in resumed.stdout
+    assert len(_losses(first.stdout)) == 6
+    assert _losses(resumed.stdout) == _losses(first.stdout)[3:]  # the same world size: exactly
+    assert (tmp_path / "b" / "step-6" / ".metadata").exists()  # dcp.save (synchronous) of the resumed run
