@@ -5,7 +5,7 @@ Importing the package also imports the modules that attach to every wrapped mode
 4-bit layers and 8-bit state, the ``FLATSHARD_PROFILE`` profiler.  None of them imports accelerate.
 """
 from .features import generation, matrix_optim  # noqa: F401  (registry listeners, see above)
-from .integrations import bitsandbytes_shards  # noqa: F401
+from .integrations import bitsandbytes_shards, patches  # noqa: F401  (patches: torch's state-dict API)
 from .tools import profiling  # noqa: F401
 from .core.fully_sharded import FullyShardedDataParallel
 from .core.grad_norm import clip_grad_norm_

@@ -118,3 +118,38 @@ def step_without_hooks(optimizer: torch.optim.Optimizer) -> Any:
     if getattr(step, "hooked", False):
         step = step.__wrapped__
     return step(optimizer)
+
+
+# ---------------------------------------------------------------------- ShardedTensor (torch's state-dict API)
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``ShardedTensor`` (torch FSDP1's SHARDED_STATE_DICT values; DCP reads and writes it)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def sharded_tensor(local: List[Any], boxes: List[Any], shape: Any, dtype: torch.dtype, group: Any) -> Any:
+    """A ``ShardedTensor`` of global ``shape`` over ``group`` from its every box ``(offsets, sizes, global rank,
+    device)`` (all ranks', known here: no collective) and this rank's ``(offsets, tensor)`` (the tensors are kept,
+    not copied)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    mds = [ShardMetadata(list(off), list(size), f"rank:{rank}/{device}") for off, size, rank, device in boxes]
+    by_offsets = {tuple(md.shard_offsets): md for md, box in zip(mds, boxes) if box[2] == torch.distributed.get_rank()}
+    shards = [Shard(tensor, by_offsets[tuple(off)]) for off, tensor in local]
+    meta = ShardedTensorMetadata(mds, torch.Size(shape), TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+
+
+def local_boxes(value: Any) -> List[Any]:
+    """``(offsets, sizes, tensor)`` of each of this rank's shards of a ``ShardedTensor``."""
+    return [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor) for s in value.local_shards()]
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """torch's own: give a fresh optimizer its state (a step on zero gradients at lr 0), as its state-dict API does."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)

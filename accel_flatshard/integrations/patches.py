@@ -18,6 +18,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
+from ..core import registry
+
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,17 @@ class Patch:
 SCOPES = {"register": "register()", "accelerator": "register(), every Accelerator",
           "fsdp_state": "an Accelerator on a host without CUDA",
           "process_group": "register(), every Accelerator (before accelerate sets up the process group)",
-          "quantized": "the first wrap of a model with bitsandbytes 4-bit layers"}
+          "quantized": "the first wrap of a model with bitsandbytes 4-bit layers",
+          "wrap": "the first wrap of any model"}
 
 
 _FSDP_UTILS_WHY = ("torch FSDP's state_dict_type context finds no torch FSDP module in an accel_flatshard model "
                    "(KeyError: None); the Trainer's checkpoints, resume and merge-weights scripts call it")
+_TORCH_API_WHY = ("torch's state-dict API (get_/set_model_state_dict, get_/set_optimizer_state_dict, "
+                  "get_/set_state_dict: torchtitan, accelerate's FSDP2 path) found no torch FSDP module in an "
+                  "accel_flatshard model: rank 1 raised 'model state_dict is empty' and rank 0 got full tensors; for a "
+                  "prepared model each call runs accel_flatshard.state.torch_api (ShardedTensors of this rank's "
+                  "pieces, no gather), any other model torch's own")
 _FSDP_FUNCTION_BINDINGS = ("accelerate.utils", "accelerate.accelerator", "transformers.trainer")
 
 PATCHES: Tuple[Patch, ...] = (
@@ -153,6 +161,10 @@ PATCHES: Tuple[Patch, ...] = (
           "restarted rank could read its dead peer's gloo address and fail or hang in init_process_group; each "
           "attempt gets a prefix its ranks agree on", "torch 2.11, 2.13", key="env", wraps_original=True,
           scope="process_group"),
+    *(Patch(f"torch_state_dict{fn}", "torch.distributed.checkpoint.state_dict", fn,
+            "accel_flatshard.state.torch_api:dispatching", _TORCH_API_WHY, "torch 2.13", wraps_original=True,
+            scope="wrap")
+      for fn in ("_get_model_state_dict", "_load_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")),
 )
 
 # (module name, attribute path) -> original object, for every binding install() changed
@@ -324,6 +336,15 @@ def uninstall() -> None:
         undo()
     _UNDO.clear()
     INSTALLED.clear()
+
+
+def _at_first_wrap(record: Any) -> None:
+    """After any model is wrapped (``registry.on_wrap``): the "wrap" scope's entries, once."""
+    if "wrap" not in INSTALLED:
+        install("wrap")
+
+
+registry.on_wrap(after=_at_first_wrap)
 
 
 def markdown_table() -> str:

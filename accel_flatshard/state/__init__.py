@@ -1,8 +1,9 @@
 """State above the wrapper, as torch's state-dict API sits above FSDP: optimizer state by parameter name
 (:mod:`.optim`), checkpoints on disk (:mod:`.atomic` the one file writer, :mod:`.dcp` DCP's planners over flat
 shards, :mod:`.sharded` sharded model and optimizer checkpoints, :mod:`.commit` the commit protocol and the
-asynchronous save, :mod:`.offline` tools that need no process group).  The model's own full state dict is the
-core's (``core/model_state.py``); it is re-exported here with the rest.  Every name is loaded on first use.
+asynchronous save, :mod:`.offline` tools that need no process group, :mod:`.torch_api` torch's own state-dict API
+(``get_state_dict`` / ``set_state_dict``: ShardedTensors of this rank's pieces)).  The model's own full state dict
+is the core's (``core/model_state.py``); it is re-exported here with the rest.  Every name is loaded on first use.
 """
 import importlib
 from typing import Any
