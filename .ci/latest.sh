@@ -34,6 +34,7 @@ $PY -m pytest -q -m "not slow and not ci and not pinned_env" -p no:cacheprovider
     tests/test_compile.py tests/test_plan.py tests/test_generation.py tests/test_offload.py \
     tests/test_accelerate_launch.py tests/test_accelerate_runnerless.py tests/test_accelerate_state.py \
     tests/test_parallelism_config.py tests/test_trainer.py tests/test_trainer_checkpoint.py tests/test_trl.py \
-    tests/test_trl_peft_patches.py tests/test_peft.py tests/test_save_model.py
+    tests/test_trl_peft_patches.py tests/test_peft.py tests/test_save_model.py tests/test_torch_state_dict_api.py \
+    tests/test_registry.py tests/test_seed_api.py
 $PY tools/pins.py record constraints/newest.txt
 grep '^REPORT:' "$VENV/versions.txt" || echo "every newest release is inside the tested window"
