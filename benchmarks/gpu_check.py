@@ -260,7 +260,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     # gather limit, plus the one being waited for); at most MAX_PENDING_REDUCTIONS + 1 full gradients of the
     # largest unit (the pending ones, plus the one being produced); and what the plain model needs above its
     # parameters with its gradients dropped as produced (activations + backward transients, measured).
-    bound = (4 * shard_bytes + root_bytes + (engine.options.limit_all_gathers + 1) * layer_bytes
+    bound = (4 * shard_bytes + root_bytes + (engine.limit_all_gathers + 1) * layer_bytes
              + (MAX_PENDING_REDUCTIONS + 1) * max(unit_bytes) + activations)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-5, foreach=False)
     base = peak_reset()
@@ -278,7 +278,7 @@ def fake_w8(device, world: int, steps: int, batch: int, seq: int, small: bool) -
     good = ours <= bound  # (CPU: the step after the first, MemTracker; checked too)
     ok &= good
     print(f"  ours : peak max_memory_allocated {_mib(ours)} <= bound {_mib(bound)} (shards+Adam {_mib(4 * shard_bytes)}, "
-          f"root {_mib(root_bytes)}, {engine.options.limit_all_gathers + 1} x layer {_mib(layer_bytes)}, "
+          f"root {_mib(root_bytes)}, {engine.limit_all_gathers + 1} x layer {_mib(layer_bytes)}, "
           f"{MAX_PENDING_REDUCTIONS + 1} x grad {_mib(max(unit_bytes))}, activations {_mib(activations)}): "
           f"{'PASS' if good else 'FAIL'}{'' if cuda else ' (CPU: MemTracker)'}; {ours_s * 1e3:.0f} ms/step", flush=True)
     del wrapped, opt, host_model, engine

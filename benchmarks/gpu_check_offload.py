@@ -74,9 +74,9 @@ def device_bound(wrapped, activations: int) -> dict:
     root = unit_bytes[[u.is_root for u in wrapped.units].index(True)]
     layer = max([b for b, u in zip(unit_bytes, wrapped.units) if not u.is_root] or [0])
     parts = {
-        "gathered": root + (engine.options.limit_all_gathers + 1) * layer,
+        "gathered": root + (engine.limit_all_gathers + 1) * layer,
         "full grads": (MAX_PENDING_REDUCTIONS + 1) * max(unit_bytes),
-        "shard copies": (engine.options.limit_all_gathers + MAX_PENDING_REDUCTIONS + 2) * max(shard_bytes),
+        "shard copies": (engine.limit_all_gathers + MAX_PENDING_REDUCTIONS + 2) * max(shard_bytes),
         "activations": activations,
     }
     parts["total"] = sum(parts.values())

@@ -1,6 +1,6 @@
 """Where the documentation lives, for the tests that hold it to the code: README.md and one page per topic in docs/.
 
-``docs_page("accelerate")`` is docs/accelerate.md (the options table), ``docs_page("versions")`` docs/versions.md
+``docs_page("accelerate")`` is docs/accelerate.md (the options), ``docs_page("versions")`` docs/versions.md
 (the version window and the patch table), ``docs_page("ARCHITECTURE")`` the architecture of record; ``README``
 is the short README.
 """

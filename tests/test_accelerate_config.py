@@ -67,6 +67,28 @@ def test_sharding_strategies(fsdp_env):
     assert o.fsdp_group_size == 1
 
 
+def test_one_sharding_strategy_mapping_hybrid_included(fsdp_env):
+    """yaml -> options (config), options -> the FSDP1 plugin (config) and -> the yaml the planner recommends (plan)
+    are one mapping (core.options): shard groups smaller than the world are HYBRID_SHARD in both directions."""
+    from accel_flatshard.core.options import FlatShardOptions, sharding_strategy
+    from accel_flatshard.plan import Config
+    from torch.distributed.fsdp import ShardingStrategy
+
+    o = fsdp_env(fsdp_sharding_strategy="HYBRID_SHARD", env={"FLATSHARD_FSDP_GROUP_SIZE": "2"})
+    assert (o.reshard_after_forward, o.fsdp_group_size) == (True, 2)
+    assert sharding_strategy(o.reshard_after_forward, o.fsdp_group_size, 4) == "HYBRID_SHARD"
+    assert Config(o).strategy(4) == "HYBRID_SHARD" and Config(o).strategy(2) == "FULL_SHARD"
+    zero2 = FlatShardOptions(reshard_after_forward=False, fsdp_group_size=2)
+    assert Config(zero2).strategy(4) == "_HYBRID_SHARD_ZERO2" and Config(zero2).strategy(2) == "SHARD_GRAD_OP"
+    assert Config(FlatShardOptions(fsdp_group_size=1)).strategy(4) == "NO_SHARD"
+    # an FSDP2 plugin whose options shard in groups of 2 over 4 ranks (parallelism_config dp_replicate 2 x dp_shard 2)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    cfg.normalize_plugin_to_fsdp1(plugin, o, world_size=4)
+    assert plugin.fsdp_version == 1 and plugin.sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    cfg.normalize_plugin_to_fsdp1(p := FullyShardedDataParallelPlugin(fsdp_version=2), o, world_size=2)
+    assert p.sharding_strategy == ShardingStrategy.FULL_SHARD
+
+
 def test_group_size_without_hybrid_is_an_error(fsdp_env):
     with pytest.raises(ValueError, match="FLATSHARD_FSDP_GROUP_SIZE=2 is set but fsdp_sharding_strategy is FULL_SHARD"):
         fsdp_env(fsdp_sharding_strategy="FULL_SHARD", env={"FLATSHARD_FSDP_GROUP_SIZE": "2"})
@@ -123,7 +145,7 @@ def test_policy_objects_given_in_code(fsdp_env, monkeypatch):
 
 def test_flags_mixed_precision_and_refusals(fsdp_env, monkeypatch):
     o = fsdp_env(fsdp_activation_checkpointing=True, fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=False)
-    assert o.activation_checkpointing and o.cpu_ram_efficient_loading
+    assert o.activation_checkpointing
     assert o.sync_module_states  # ranks > 0 hold no weights: rank 0 must broadcast
     assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"  # transformers reads it: left as the launcher set it
     o = fsdp_env("bf16")

@@ -1,6 +1,9 @@
-"""The options module: the docs table (docs/accelerate.md) equals the declarations; unknown names and bad values fail on every path."""
+"""The options module: each option declared once, the table rendered from it; unknown names and bad values fail on
+every path."""
+import dataclasses
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch.nn as nn
@@ -13,13 +16,38 @@ from docs_pages import ROOT, docs_page
 OPTIONS_PAGE = docs_page("accelerate")
 
 
-def test_docs_table_is_the_options_module():
-    text = OPTIONS_PAGE.read_text()
-    match = re.search(r"<!-- options-table -->\n(.*?)\n<!-- /options-table -->", text, re.S)
-    assert match, "docs/accelerate.md lost the <!-- options-table --> markers"
-    assert match.group(1) == options.markdown_table()
+def test_the_table_is_rendered_from_the_declarations(capsys):
+    """Each variable is declared once (its field's ``_setting``): the table is rendered from it, printed by
+    ``accel-flatshard options``, which docs/accelerate.md names instead of holding a copy."""
+    from accel_flatshard.tools.cli import main
+
+    assert main(["options"]) == 0
+    table = capsys.readouterr().out.rstrip("\n")
+    assert table == options.markdown_table()
     # every option appears in it once, and nothing else
-    assert re.findall(r"^\| `(FLATSHARD_\w+)`", match.group(1), re.M) == list(options.OPTIONS)
+    assert re.findall(r"^\| `(FLATSHARD_\w+)`", table, re.M) == list(options.OPTIONS)
+    page = OPTIONS_PAGE.read_text()
+    assert "accel-flatshard options" in page and "| `FLATSHARD_" not in page
+    declared = {f.metadata["env"]: (cls, f) for cls in (options.FlatShardOptions, options.ProcessSettings)
+                for f in dataclasses.fields(cls) if f.metadata["env"]}
+    assert list(declared) == list(options.OPTIONS)
+    for name, (cls, f) in declared.items():
+        option = options.OPTIONS[name]
+        assert (option.default, option.doc) == (f.default, f.metadata["doc"]), name
+        assert option.setting == (f.name if cls is options.FlatShardOptions else None), name
+
+
+def test_check_environment_has_one_call_site():
+    """The environment is checked in ``_variables`` (both ``from_environment``), which every path passes."""
+    import ast
+
+    calls = []
+    for path in sorted(Path(PACKAGE).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "check_environment" in (getattr(node.func, "attr", None),
+                                                                      getattr(node.func, "id", None)):
+                calls.append(path.relative_to(PACKAGE).as_posix())
+    assert calls == ["core/options.py"], calls
 
 
 def test_defaults_and_parsing(monkeypatch):
@@ -59,6 +87,8 @@ def test_unknown_name_fails_on_the_plain_wrapper(world_of_one, monkeypatch):
     monkeypatch.setenv("FLATSHARD_GRUOP_SIZE", "2")
     with pytest.raises(ValueError, match=r"(?s)FLATSHARD_GRUOP_SIZE.*known ones.*FLATSHARD_FSDP_GROUP_SIZE"):
         FullyShardedDataParallel(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="FLATSHARD_GRUOP_SIZE"):  # also with an options object (the Accelerator's)
+        FullyShardedDataParallel(nn.Linear(4, 4), options=options.FlatShardOptions())
     monkeypatch.delenv("FLATSHARD_GRUOP_SIZE")
     model = FullyShardedDataParallel(nn.Linear(4, 4))  # and without it the same call works
     assert model.flat_params
@@ -69,42 +99,44 @@ def test_unknown_name_fails_on_the_plain_wrapper(world_of_one, monkeypatch):
 # modules that read it).  The wrapper argument is the setting's own name (FullyShardedDataParallel(model, **settings)),
 # except where torch FSDP's spelling is accepted too; "-" where the Accelerator owns it.
 SETTINGS = {
-    "reshard_after_forward": ("fsdp_sharding_strategy", None, "reshard_after_forward", ["fully_sharded.py"]),
-    "fsdp_group_size": ("fsdp_sharding_strategy", "FLATSHARD_FSDP_GROUP_SIZE", "fsdp_group_size", ["comm.py"]),
-    "backward_prefetch": ("fsdp_backward_prefetch", None, "backward_prefetch", ["schedule.py"]),
-    "forward_prefetch": ("fsdp_forward_prefetch", None, "forward_prefetch", ["schedule.py"]),
-    "limit_all_gathers": (None, "FLATSHARD_LIMIT_ALL_GATHERS", "limit_all_gathers", ["engine.py"]),
-    "offload_params": ("fsdp_offload_params", None, "offload_params (torch's cpu_offload too)", ["engine.py"]),
-    "mixed_precision": ("mixed_precision (top level)", "FLATSHARD_REDUCE_DTYPE", "mixed_precision",
-                        ["engine.py", "schedule.py", "fully_sharded.py"]),
-    "sync_module_states": ("fsdp_sync_module_states", None, "sync_module_states", ["fully_sharded.py"]),
-    "pack_all_gathers": (None, "FLATSHARD_PACK_ALL_GATHERS", "pack_all_gathers", ["fully_sharded.py"]),
-    "quantized_all_gather": (None, "FLATSHARD_QUANTIZED_ALL_GATHER", "quantized_all_gather", ["engine.py"]),
-    "quantized_reduce": (None, "FLATSHARD_QUANTIZED_REDUCE", "quantized_reduce", ["engine.py"]),
-    "quant_block": (None, "FLATSHARD_QUANT_BLOCK", "quant_block", ["engine.py"]),
-    "gloo_p2p": (None, "FLATSHARD_GLOO_P2P", "gloo_p2p", ["comm.py"]),
+    "reshard_after_forward": ("fsdp_sharding_strategy", None, "reshard_after_forward", ["core/fully_sharded.py"]),
+    "fsdp_group_size": ("fsdp_sharding_strategy", "FLATSHARD_FSDP_GROUP_SIZE", "fsdp_group_size", ["core/comm.py"]),
+    "backward_prefetch": ("fsdp_backward_prefetch", None, "backward_prefetch", ["core/schedule.py"]),
+    "forward_prefetch": ("fsdp_forward_prefetch", None, "forward_prefetch", ["core/schedule.py"]),
+    "limit_all_gathers": (None, "FLATSHARD_LIMIT_ALL_GATHERS", "limit_all_gathers", ["core/engine.py"]),
+    "offload_params": ("fsdp_offload_params", None, "offload_params (torch's cpu_offload too)", ["core/engine.py"]),
+    "mixed_precision": ("mixed_precision (top level)", None, "mixed_precision",
+                        ["core/engine.py", "core/schedule.py", "core/fully_sharded.py"]),
+    "sync_module_states": ("fsdp_sync_module_states", None, "sync_module_states", ["core/fully_sharded.py"]),
+    "pack_all_gathers": (None, "FLATSHARD_PACK_ALL_GATHERS", "pack_all_gathers", ["core/fully_sharded.py"]),
+    "quantized_all_gather": (None, "FLATSHARD_QUANTIZED_ALL_GATHER", "quantized_all_gather", ["core/engine.py"]),
+    "quantized_reduce": (None, "FLATSHARD_QUANTIZED_REDUCE", "quantized_reduce", ["core/engine.py"]),
+    "quant_block": (None, "FLATSHARD_QUANT_BLOCK", "quant_block", ["core/engine.py"]),
+    "gloo_p2p": (None, "FLATSHARD_GLOO_P2P", "gloo_p2p", ["core/comm.py"]),
     "reduce_scatter_via_all_reduce": (None, "FLATSHARD_REDUCE_SCATTER_VIA_ALL_REDUCE", "reduce_scatter_via_all_reduce",
-                                      ["comm.py"]),
-    "timeout_s": (None, "FLATSHARD_TIMEOUT_S", "timeout_s", ["comm.py"]),
-    "ranks_per_node": (None, "FLATSHARD_RANKS_PER_NODE", "ranks_per_node", ["comm.py"]),
+                                      ["core/comm.py"]),
+    "timeout_s": (None, "FLATSHARD_TIMEOUT_S", "timeout_s", ["core/comm.py"]),
+    "ranks_per_node": (None, "FLATSHARD_RANKS_PER_NODE", "ranks_per_node", ["core/comm.py"]),
     "node_local_backward_gather": (None, "FLATSHARD_NODE_LOCAL_BACKWARD_GATHER", "node_local_backward_gather",
-                                   ["comm.py"]),
-    "generation_mode": (None, "FLATSHARD_GENERATION_MODE", "generation_mode", ["generation.py"]),
-    "generation_budget_mb": (None, "FLATSHARD_GENERATION_BUDGET_MB", "generation_budget_mb", ["generation.py"]),
+                                   ["core/comm.py"]),
+    "generation_mode": (None, "FLATSHARD_GENERATION_MODE", "generation_mode", ["features/generation.py"]),
+    "generation_budget_mb": (None, "FLATSHARD_GENERATION_BUDGET_MB", "generation_budget_mb", ["features/generation.py"]),
     "keep_frozen_gathered": (None, "FLATSHARD_KEEP_FROZEN_GATHERED", "keep_frozen_gathered",
-                             ["generation.py", "fully_sharded.py"]),
-    "auto_wrap": ("fsdp_auto_wrap_policy", None, "-", ["wrap.py"]),
-    "layer_cls_names": ("fsdp_transformer_layer_cls_to_wrap", None, "-", ["wrap.py"]),
-    "min_num_params": ("fsdp_min_num_params", None, "-", ["wrap.py"]),
-    "custom_policy": ("fsdp_auto_wrap_policy", None, "-", ["wrap.py"]),
+                             ["features/generation.py"]),
+    "auto_wrap": ("fsdp_auto_wrap_policy", None, "-", ["core/wrap.py"]),
+    "layer_cls_names": ("fsdp_transformer_layer_cls_to_wrap", None, "-", ["core/wrap.py"]),
+    "min_num_params": ("fsdp_min_num_params", None, "-", ["core/wrap.py"]),
+    "custom_policy": ("fsdp_auto_wrap_policy", None, "-", ["core/wrap.py"]),
     "activation_checkpointing": ("fsdp_activation_checkpointing", None, "-", ["integrations/accelerate.py"]),
     "state_dict_type": ("fsdp_state_dict_type", None, "-", ["plan/run.py"]),
-    "cpu_ram_efficient_loading": ("fsdp_cpu_ram_efficient_loading", None, "-", ["integrations/config.py"]),
 }
-# the variables that configure the process or the Accelerator, not a model: the module that reads each
-PROCESS_VARIABLES = {"FLATSHARD_STATE_DICT_TIMEOUT_S": "state_dict/model.py", "FLATSHARD_PROFILE": "profiler.py",
-                     "FLATSHARD_PROFILE_EVERY": "profiler.py", "FLATSHARD_ASYNC_SAVE": "integrations/accelerate.py",
-                     "FLATSHARD_REDUCE_DTYPE": "integrations/config.py"}
+# the variables that configure the process or the Accelerator, not a model (ProcessSettings): its field, the module
+# that reads it (by the variable's name or the field's)
+PROCESS_VARIABLES = {"FLATSHARD_STATE_DICT_TIMEOUT_S": ("state_dict_timeout_s", "core/model_state.py"),
+                     "FLATSHARD_PROFILE": ("profile", "tools/profiling.py"),
+                     "FLATSHARD_PROFILE_EVERY": ("profile_every", "tools/profiling.py"),
+                     "FLATSHARD_ASYNC_SAVE": ("async_save", "integrations/accelerate.py"),
+                     "FLATSHARD_REDUCE_DTYPE": ("reduce_dtype", "integrations/config.py")}
 PACKAGE = os.path.join(str(ROOT), "accel_flatshard")
 
 
@@ -131,10 +163,12 @@ def test_every_setting_has_one_name_from_its_yaml_key_or_variable_to_its_reader(
             FlatShardOptions.from_environment({}, **{name: getattr(FlatShardOptions(), name)})
         for module in readers:
             assert name in _attributes_read(module), f"{module} does not read {name}"
-    for variable, module in PROCESS_VARIABLES.items():
+    process = {f.name: f.metadata["env"] for f in dataclasses.fields(options.ProcessSettings)}
+    assert {variable: name for name, variable in process.items()} == {v: n for v, (n, _) in PROCESS_VARIABLES.items()}
+    for variable, (name, module) in PROCESS_VARIABLES.items():
         assert options.OPTIONS[variable].setting is None
         with open(os.path.join(PACKAGE, module)) as f:
-            assert variable in f.read(), f"{module} does not read {variable}"
+            assert variable in f.read() or name in _attributes_read(module), f"{module} does not read {variable}"
     assert {o.name for o in options.OPTIONS.values() if o.setting} | set(PROCESS_VARIABLES) == set(options.OPTIONS)
 
 
@@ -142,8 +176,11 @@ def test_the_wrapper_takes_every_setting_by_its_name_and_refuses_others(world_of
     wrapped = FullyShardedDataParallel(nn.Linear(4, 4), limit_all_gathers=1, forward_prefetch=False,
                                        generation_mode="full")
     assert (wrapped.options.limit_all_gathers, wrapped.options.forward_prefetch) == (1, False)
-    assert wrapped.schedule.engine.options is wrapped.options and wrapped.shard_group.via_p2p == (
-        wrapped.options.gloo_p2p is not False)
+    assert wrapped.shard_group.via_p2p == (wrapped.options.gloo_p2p is not False)
+    # the options object is the wrapper's alone: the schedule and engine took the values they read
+    schedule, engine = wrapped.schedule, wrapped.schedule.engine
+    assert not any(hasattr(x, "options") for x in (wrapped.shard_group, schedule, engine))
+    assert (engine.limit_all_gathers, schedule.forward_prefetch) == (1, False)
     with pytest.raises(TypeError, match=r"unknown accel_flatshard option\(s\) \['max_inflight'\]"):
         FullyShardedDataParallel(nn.Linear(4, 4), max_inflight=1)
 

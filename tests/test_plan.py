@@ -310,8 +310,7 @@ def _inputs(argv):
 
     planner, cfg = planned(*build_parser().parse_known_args(argv))
     # (the options the planner never reads: loading and the checkpoint format)
-    options = dataclasses.replace(planner.options, state_dict_type="", cpu_ram_efficient_loading=False,
-                                  sync_module_states=True)
+    options = dataclasses.replace(planner.options, state_dict_type="", sync_module_states=True)
     assert cfg.options is planner.options  # (the run's options are the launch's)
     return (options, planner.world_size, planner.batch_size, planner.autocast, planner.num_machines,
             planner.names, dataclasses.replace(cfg, options=options))

@@ -63,7 +63,11 @@ class Engine:
 
     def __init__(self, group: Collectives, device: torch.device, options: FlatShardOptions,
                  streams: Optional[HostAdapter] = None) -> None:
-        self.device, self.options = device, options
+        self.device = device
+        # the settings it reads, taken now (the model's options object is the wrapper's alone)
+        self.limit_all_gathers, self.mixed_precision = options.limit_all_gathers, options.mixed_precision
+        self.quantized_all_gather, self.quantized_reduce = options.quantized_all_gather, options.quantized_reduce
+        self.quant_block = options.quant_block
         mp = options.mixed_precision
         self.reduce_dtype = mp.effective_reduce_dtype if mp else None
         self._gathers: Dict[Tuple[FlatParameter, ...], Tuple[Any, str]] = {}  # in flight, oldest first
@@ -105,12 +109,12 @@ class Engine:
             return
         if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
             self.begin_step()
-        while len(self._gathers) >= self.options.limit_all_gathers:
+        while len(self._gathers) >= self.limit_all_gathers:
             self.wait_unshard(next(iter(self._gathers)))  # the oldest
         s = self.streams
-        s.wait_for_freed(self.options.limit_all_gathers)
+        s.wait_for_freed(self.limit_all_gathers)
         outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
-        quantized = self.options.quantized_all_gather and not in_node  # int8 of the master shards, one collective
+        quantized = self.quantized_all_gather and not in_node  # int8 of the master shards, one collective
         with span("all_gather", label):
             with s.on(self.all_gather_stream):
                 for flat in flats:
@@ -128,7 +132,7 @@ class Engine:
                 s.wait_event(self.all_gather_stream, ready)  # (copied on the compute stream after the forward)
             if quantized:
                 handle = s.collective(self.all_gather_stream, lambda async_op: self.group.all_gather_quantized(
-                    outs, masters, self.options.quant_block, f"unit {label} weights", async_op=async_op, kind=kind),
+                    outs, masters, self.quant_block, f"unit {label} weights", async_op=async_op, kind=kind),
                     keep=masters)
                 self._gathers[tuple(flats)] = ([handle], label)
                 return
@@ -186,15 +190,15 @@ class Engine:
             if self.predivide != 1:
                 full.div_(self.predivide)
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
-            quantized = self.options.quantized_reduce  # (int8 through an all-to-all, summed in float32)
+            quantized = self.quantized_reduce  # (int8 through an all-to-all, summed in float32)
             with s.on(self.reduce_scatter_stream):
                 shard_out = torch.empty(flat.layout.shard_numel, dtype=torch.float32 if quantized else dtype,
                                         device=full.device)
             if quantized:  # (fp16 loss scaling: an overflow arrives as nan, so the grad scaler skips the step)
-                fp16 = getattr(self.options.mixed_precision, "param_dtype", None) == torch.float16
+                fp16 = getattr(self.mixed_precision, "param_dtype", None) == torch.float16
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
                                       self.group.reduce_scatter_quantized(
-                                          out, full, self.options.quant_block, f"unit {label} gradients",
+                                          out, full, self.quant_block, f"unit {label} gradients",
                                           async_op=async_op, propagate_non_finite=fp16))
             else:
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:

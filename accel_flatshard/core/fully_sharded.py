@@ -6,7 +6,6 @@ parameters.  The step (hooks, order, prefetch, backward) is ``schedule.Schedule`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -14,7 +13,6 @@ import torch
 import torch.nn as nn
 
 from . import comm, model_state, registry
-from . import options as environment
 from .comm import ShardGroup, broadcast_tensor
 from .engine import Engine
 from .flat_param import FlatParameter, pack_gathered
@@ -89,7 +87,6 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
         check_not_wrapped(module)
-        environment.check_environment()  # an unknown FLATSHARD_* name or a bad value fails here, on every path
         # the seed's (haiscale's) positional arguments: given ones are settings like any other keyword
         seed_args = {"reshard_after_forward": reshard_after_forward, "forward_prefetch": forward_prefetch,
                      "fsdp_group_size": fsdp_group_size}
@@ -98,11 +95,8 @@ class FullyShardedDataParallel(nn.Module):
             settings["backward_prefetch"] = backward_prefetch
         if cpu_offload is not None:
             settings.setdefault("offload_params", wants_offload(cpu_offload))
-        if options is None:
-            options = FlatShardOptions.from_environment(**settings)
-        elif settings:
-            options = dataclasses.replace(options, **settings)
-        self.options = options
+        # (an unknown FLATSHARD_* name or a bad value fails there, on every path, also with ``options``)
+        self.options = options = FlatShardOptions.from_environment(base=options, **settings)
         registry.before_wrap(module, options)  # e.g. bitsandbytes' 4-bit layers compute on gathered views
         self.module = module
         self.shard_group = ShardGroup(process_group, options)

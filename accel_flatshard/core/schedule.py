@@ -33,7 +33,9 @@ class Schedule:
 
     def __init__(self, engine: Engine, options: FlatShardOptions) -> None:
         self.engine = engine
-        self.options = options
+        # the settings it reads, taken now (the model's options object is the wrapper's alone)
+        self.forward_prefetch, self.backward_prefetch = options.forward_prefetch, options.backward_prefetch
+        self.mixed_precision = options.mixed_precision
         self.units: List[Unit] = []
         self.sync_grads = True
         self.in_forward = False
@@ -118,7 +120,7 @@ class Schedule:
         self.in_forward = True
         self._current_order, self._order_ok = {}, True
         args, kwargs = self.engine.streams.move_inputs(args, kwargs)  # to the model's device, as torch FSDP
-        mp = self.options.mixed_precision
+        mp = self.mixed_precision
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
             cast = lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t
             args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
@@ -142,7 +144,7 @@ class Schedule:
                     f"off for this step and follows the new order afterwards.\n  recorded: "
                     f"{[u.name for u in recorded]}\n  now (so far): {[u.name for u in self._current_order]}",
                     stacklevel=4)
-        if self.options.forward_prefetch and self._order_ok and index + 1 < len(recorded):
+        if self.forward_prefetch and self._order_ok and index + 1 < len(recorded):
             recorded[index + 1].unshard()
 
     @torch.compiler.disable
@@ -241,7 +243,7 @@ class Schedule:
             # autograd-tracked views, so build them with grad mode on (hooks run with it off).
             with torch.enable_grad():
                 unit.gather(new_views=True)
-        if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_before(unit)
 
     def _post_backward_hook(self, unit: Unit, index: int):
@@ -280,7 +282,7 @@ class Schedule:
         unit.uninstall_views()
         unit.reshard()
         unit.state = UnitState.BACKWARD_DONE
-        if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_before(unit)
 
     def _prefetch_before(self, unit: Unit) -> None:

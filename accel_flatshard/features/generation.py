@@ -95,7 +95,7 @@ class GenerationControl:
     def plan(self, master: bool = False) -> List[Unit]:
         """The units a generation keeps gathered now, saying once when it is not all of them."""
         units = self.schedule.units
-        prefetch = bool(self.schedule.options.forward_prefetch)
+        prefetch = bool(self.options.forward_prefetch)
         total = sum(unit_bytes(u, master) for u in units)
         mode = self.options.generation_mode
         if mode == "full":

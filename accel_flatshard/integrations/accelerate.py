@@ -54,10 +54,11 @@ class Accelerator(_BaseAccelerator):
     plain accelerate training loop uses it unchanged (``examples/train_causal_lm.py``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        options.check_environment()
+        # the process' FLATSHARD_* settings; an unknown FLATSHARD_* name or a bad value raises here, before accelerate
+        settings = options.ProcessSettings.from_environment()
         # before accelerate makes the process group: a torchelastic restart's groups get a store prefix of their own
         patches.install("process_group")
-        self.flatshard_async_save: bool = options.get("FLATSHARD_ASYNC_SAVE")  # save_state's default
+        self.flatshard_async_save: bool = settings.async_save  # save_state's default
         bound = _BASE_SIGNATURE.bind(self, *args, **kwargs)
         params = {k: v for k, v in bound.arguments.items() if k != "self"}
         plugin = params.get("fsdp_plugin")
@@ -68,8 +69,8 @@ class Accelerator(_BaseAccelerator):
         fsdp_version(plugin)  # an unsupported version fails here, before accelerate sets anything up
         # accelerate's parallelism_config: tensor/context parallelism is refused; accelerate builds its mesh and
         # checks the sizes (patched to accept this class, before super().__init__), dp_shard sets the shard groups
-        params["parallelism_config"] = self._flatshard_parallelism = requested_parallelism_config(params)
-        if self._flatshard_parallelism is not None:
+        params["parallelism_config"] = self.flatshard_parallelism_config = requested_parallelism_config(params)
+        if self.flatshard_parallelism_config is not None:
             patches.install()
         # Our engine runs on CUDA/nccl or CPU/gloo.  Without CUDA, accelerate would pick no backend at
         # all (and its plugin refuses sync_module_states): take its CPU path, then switch to FSDP.
@@ -88,7 +89,7 @@ class Accelerator(_BaseAccelerator):
             return  # a single process without a launcher: nothing to shard
         self.flatshard_options = options_from_plugin(self.state.fsdp_plugin, self.state.mixed_precision,
                                                      parallelism=self.parallelism_config)
-        normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self.flatshard_options)
+        normalize_plugin_to_fsdp1(self.state.fsdp_plugin, self.flatshard_options, self.num_processes)
         self._setup_grad_scaler()
         # the library functions that must know our wrapper (patches.PATCHES); modules imported since
         # register() (TRL's trainers, transformers.trainer) hold bindings it could not reach yet

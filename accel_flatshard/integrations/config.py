@@ -52,15 +52,15 @@ def options_from_plugin(
     mean for FSDP1, backward prefetch is always on (FSDP2's implicit prefetch).  Options that cannot be honoured
     raise naming the key (``fsdp_ignored_modules``, ...); ``parallelism`` sets the shard groups."""
     environ = os.environ if environ is None else environ
-    options.check_environment(environ)
+    # the FLATSHARD_* variables (an unknown name or a bad value raises there); the plugin's keys override
+    given = FlatShardOptions.from_environment(environ)
     version = fsdp_version(plugin, environ)
-    given = FlatShardOptions.from_environment(environ)  # the FLATSHARD_* variables; the plugin's keys override
     opts: Dict[str, Any] = {}
 
     strategy = _sharding_strategy(plugin, environ)
     fsdp_group_size = given.fsdp_group_size
-    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    opts["reshard_after_forward"] = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    opts["reshard_after_forward"], sharded_over = options.SHARDING_STRATEGIES[strategy.name]
+    hybrid = sharded_over == "groups"
     opts["fsdp_group_size"] = None
     if parallelism is not None:
         opts["fsdp_group_size"] = _layout_group_size(parallelism, strategy, fsdp_group_size)
@@ -72,9 +72,8 @@ def options_from_plugin(
         if fsdp_group_size is None and local is not None and not (local.strip().isdigit() and int(local) >= 1):
             raise ValueError(f"LOCAL_WORLD_SIZE={local!r} must be a positive integer")
         opts["fsdp_group_size"] = fsdp_group_size or (None if local is None else int(local))
-    elif strategy == ShardingStrategy.NO_SHARD:
+    elif sharded_over == "none":  # NO_SHARD
         opts["fsdp_group_size"] = 1  # every rank holds everything; gradients are all-reduced (DDP-like)
-        opts["reshard_after_forward"] = False
     if fsdp_group_size is not None and not hybrid:
         raise ValueError(
             f"FLATSHARD_FSDP_GROUP_SIZE={fsdp_group_size} is set but fsdp_sharding_strategy is {strategy.name}; "
@@ -115,9 +114,10 @@ def options_from_plugin(
     if getattr(plugin, "activation_checkpointing_offload", False):
         raise ValueError("fsdp_activation_checkpointing_offload is not supported by accel_flatshard (FSDP2 only)")
     opts["activation_checkpointing"] = bool(getattr(plugin, "activation_checkpointing", False))
-    opts["cpu_ram_efficient_loading"] = efficient = bool(getattr(plugin, "cpu_ram_efficient_loading", False))
+    efficient = bool(getattr(plugin, "cpu_ram_efficient_loading", False))
     sync = getattr(plugin, "sync_module_states", None)
-    # Ranks > 0 hold no real weights under cpu_ram_efficient_loading: rank 0 must broadcast them.
+    # Ranks > 0 hold no real weights under cpu_ram_efficient_loading: rank 0 must broadcast them (what it means here:
+    # transformers reads FSDP_CPU_RAM_EFFICIENT_LOADING when it loads the model).
     opts["sync_module_states"] = True if sync is None or efficient else bool(sync)
     opts["mixed_precision"] = _mixed_precision(plugin, mixed_precision, environ)
     return dataclasses.replace(given, **opts)
@@ -181,7 +181,7 @@ def validating_flatshard_layout(original: Callable[[Any, Any], None]) -> Callabl
 
     @functools.wraps(original)
     def _validate_accelerator(self: Any, accelerator: Any) -> None:
-        if getattr(accelerator, "_flatshard_parallelism", None) is self:
+        if getattr(accelerator, "flatshard_parallelism_config", None) is self:
             accelerator = _AsDataParallel(accelerator)
         return original(self, accelerator)
 
@@ -207,14 +207,16 @@ def _sharding_strategy(plugin: Any, environ: Mapping[str, str]) -> Any:
     return strategy or ShardingStrategy.FULL_SHARD
 
 
-def normalize_plugin_to_fsdp1(plugin: Any, opts: FlatShardOptions) -> None:
+def normalize_plugin_to_fsdp1(plugin: Any, opts: FlatShardOptions, world_size: Optional[int] = None) -> None:
     """Make an FSDP2-style plugin (``fsdp_version: 2``) look like the equivalent FSDP1 one, in place:
     accelerate and transformers branch on ``accelerator.is_fsdp2`` into torch-FSDP2-only code (``fully_shard``,
-    DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls."""
+    DTensor state dicts); accel_flatshard implements the FSDP1 surface of those calls.  ``world_size`` (None: the
+    launcher's) tells hybrid sharding (shard groups smaller than the world: HYBRID_SHARD) from FULL_SHARD."""
     if getattr(plugin, "fsdp_version", 1) != 2:
         return
-    strategy = (ShardingStrategy.NO_SHARD if opts.fsdp_group_size == 1 else
-                ShardingStrategy.FULL_SHARD if opts.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP)
+    world_size = launched_world_size() if world_size is None else world_size
+    strategy = ShardingStrategy[options.sharding_strategy(opts.reshard_after_forward, opts.fsdp_group_size,
+                                                          world_size)]
     plugin.fsdp_version = 1
     plugin.sharding_strategy = plugin.reshard_after_forward = strategy
     prefetch = opts.backward_prefetch

@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..core._compat import map_tensors, tensors_in
 from ..core.flat_param import FlatParamLayout
 from ..core.fully_sharded import assign_owners
-from ..core.options import BackwardPrefetch, FlatShardOptions
+from ..core.options import BackwardPrefetch, FlatShardOptions, sharding_strategy
 from ..core.wrap import policy_of, select_units
 from . import run
 from .run import Prediction
@@ -62,12 +62,8 @@ class Config:
         return self.options.fsdp_group_size or world_size
 
     def strategy(self, world_size: int) -> str:
-        G, reshard = self.shard_size(world_size), self.options.reshard_after_forward
-        if G == 1 and world_size > 1:
-            return "NO_SHARD"
-        if G < world_size:
-            return "HYBRID_SHARD" if reshard else "_HYBRID_SHARD_ZERO2"
-        return "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
+        """The yaml's ``fsdp_sharding_strategy`` for this run (the one mapping, ``core.options``)."""
+        return sharding_strategy(self.options.reshard_after_forward, self.options.fsdp_group_size, world_size)
 
     def describe(self, world_size: int) -> str:
         o = self.options

@@ -6,6 +6,7 @@ CKPT_DIR: a sharded model/optimizer checkpoint, or a directory written by ``acce
     accel-flatshard inspect CKPT_DIR [--json]       # keys, shapes, dtypes, saved world size, sizes
     accel-flatshard consolidate CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--no-verify]   # -> HF safetensors
     accel-flatshard plan --model M --config_file YAML --batch_size B --seq_len S   # each rank's peak memory
+    accel-flatshard options                         # the FLATSHARD_* variables (markdown table)
 """
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options(args: argparse.Namespace) -> int:
+    from ..core.options import markdown_table
+
+    print(markdown_table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accel-flatshard", description="Tools for accel_flatshard checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification of the input")
     p.set_defaults(func=_consolidate)
+    p = sub.add_parser("options", help="the FLATSHARD_* variables: type, default and what each does (a markdown "
+                       "table, rendered from their declarations in accel_flatshard/core/options.py)")
+    p.set_defaults(func=_options)
     sub.add_parser("plan", add_help=False, help="each rank's peak memory in a training step, before the launch "
                    "(accel-flatshard plan --help)")
     return parser
