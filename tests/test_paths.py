@@ -32,9 +32,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "accel_flatshard"
 # 10 before issue 33 split one concept per file (unit / schedule / outside_reads, checkpoint/format): files are
 # smaller, the path enters more of them (prepare 12, a step 9, a SHARDED save_state 14 after the split).  Issue 50's
 # registry: features attach to every model through it, so prepare enters each feature's wrap listener (the
-# registry, generation, bitsandbytes, profiling: 17) and a step each optimizer handler (matrix optimizers,
-# bitsandbytes, offload: 15), one short check each
-MAX_MODULES = 17
+# registry, generation, bitsandbytes, profiling; and issue 52's patch rows for torch's state-dict API, applied at the
+# first wrap: patches, state/torch_api: 19) and a step each optimizer handler (matrix optimizers, bitsandbytes,
+# offload: 15), one short check each
+MAX_MODULES = 19
 ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE",
        "FSDP_FORWARD_PREFETCH": "true"}
