@@ -153,8 +153,8 @@ class FullyShardedDataParallel(nn.Module):
         real = group.world_size > 1 and not group.backend.startswith("fake")  # (also the planner's fake_gloo)
         record = registry.Prepared(self, schedule, engine.offload,
                                    comm.new_gloo_group(group.world_group) if real else None)
-        model_state.install(record)  # state_dict() of the module gathers (collective)
-        registry.register(record)  # after-wrap listeners: gather-once generate(), FLATSHARD_PROFILE, ...
+        model_state.install_full_state_dict_hook(record)  # state_dict() of the module gathers (collective)
+        registry.add_model(record)  # after-wrap listeners: gather-once generate(), FLATSHARD_PROFILE, ...
 
     # ------------------------------------------------------------------ construction helpers
     def _build_flat(self, params, fqns, users, param_dtype, sync_module_states, engine: Engine) -> FlatParameter:

@@ -43,7 +43,7 @@ LoadResult = collections.namedtuple("LoadResult", ["missing_keys", "unexpected_k
 
 
 # ---------------------------------------------------------------------- which wrapper shards a module
-def install(record: registry.Prepared) -> None:
+def install_full_state_dict_hook(record: registry.Prepared) -> None:
     """Make the module's ``state_dict()`` the full one (collective) for the model of ``record``."""
     record.module.register_state_dict_post_hook(_full_state_dict_hook)
 

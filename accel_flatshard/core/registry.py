@@ -76,7 +76,7 @@ _AFTER_WRAP: List[Callable[["Prepared"], None]] = []
 _HOOKS: List[Any] = []  # torch's handles of the two optimizer hooks, once registered
 
 
-def register(record: Prepared) -> None:
+def add_model(record: Prepared) -> None:
     """Record a newly wrapped model, find it from its parameters and units, run the after-wrap listeners."""
     record.wrapper.__dict__[ATTR] = record.module.__dict__[ATTR] = record
     ref = weakref.ref(record)

@@ -100,8 +100,9 @@ def _save(fsdp_plugin: Any, accelerator: Any, output_dir: str, names: Tuple[str,
     accelerator.wait_for_everyone()
 
 
-def _load(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, str], what: str,
-          load_sharded: Callable[[str], None], load_full: Callable[[Optional[Dict[str, Any]]], None]) -> None:
+def _load_sharded_or_full(fsdp_plugin: Any, accelerator: Any, input_dir: str, names: Tuple[str, str], what: str,
+                          load_sharded: Callable[[str], None],
+                          load_full: Callable[[Optional[Dict[str, Any]]], None]) -> None:
     """Collective: the layout on disk decides (rank 0 looks); a full file is read by rank 0 and broadcast."""
     dir_name, file_name = names
     state_dict_type_name(fsdp_plugin)
@@ -149,8 +150,10 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: nn.Module, input_
     if wrapped is None:
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
                                              adapter_only=adapter_only, use_dcp=use_dcp)
-    _load(fsdp_plugin, accelerator, input_dir, accelerate_names(FSDP_MODEL_NAME, model_index), "model",
-          lambda path: load_sharded_model(wrapped, path), lambda state: load_full_state_dict(wrapped, state))
+    _load_sharded_or_full(fsdp_plugin, accelerator, input_dir,
+                          accelerate_names(FSDP_MODEL_NAME, model_index), "model",
+                          lambda path: load_sharded_model(wrapped, path),
+                          lambda state: load_full_state_dict(wrapped, state))
     return LoadResult([], [])
 
 
@@ -177,9 +180,10 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
                                                  optimizer_index=optimizer_index, adapter_only=adapter_only,
                                                  use_dcp=use_dcp)
     optimizer = plain_optimizer(optimizer)
-    _load(fsdp_plugin, accelerator, input_dir, accelerate_names(OPTIMIZER_NAME, optimizer_index), "optimizer state",
-          lambda path: load_sharded_optimizer(wrapped, optimizer, path),
-          lambda state: load_full_optim_state_dict(wrapped, optimizer, state))
+    _load_sharded_or_full(fsdp_plugin, accelerator, input_dir,
+                          accelerate_names(OPTIMIZER_NAME, optimizer_index), "optimizer state",
+                          lambda path: load_sharded_optimizer(wrapped, optimizer, path),
+                          lambda state: load_full_optim_state_dict(wrapped, optimizer, state))
 
 
 # ---------------------------------------------------------------------- save_state / load_state

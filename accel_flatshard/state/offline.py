@@ -32,7 +32,7 @@ def _nbytes(desc: Dict[str, Any]) -> int:
     return math.prod(desc["shape"]) * torch.empty((), dtype=str_to_dtype(desc["dtype"])).element_size()
 
 
-def _size(path: str) -> int:
+def _bytes_on_disk(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
@@ -47,7 +47,7 @@ def read_checkpoint_info(directory: str) -> Dict[str, Any]:
         "kind", "world_size", "shard_size", "model_class", "optimizer_class", "saved_at", "torch_version", "tensors",
         "param_groups")}}
     info["total_bytes"] = sum(_nbytes(desc) for desc in meta["tensors"].values())
-    info["file_bytes"] = _size(directory)  # (a checkpoint directory holds files only)
+    info["file_bytes"] = _bytes_on_disk(directory)  # (a checkpoint directory holds files only)
     return info
 
 
@@ -154,10 +154,10 @@ def read_save_state_info(directory: str) -> Dict[str, Any]:
         path = os.path.join(directory, name)
         kind = _kind_of(name, os.path.isdir(path))
         if kind is None:
-            out["other"][name] = _size(path)
+            out["other"][name] = _bytes_on_disk(path)
             continue
         entry: Dict[str, Any] = {"name": name, "path": path, "layout": "sharded" if os.path.isdir(path) else "full",
-                                 "file_bytes": _size(path)}
+                                 "file_bytes": _bytes_on_disk(path)}
         if entry["layout"] == "sharded":
             info = read_checkpoint_info(path)  # raises for an incomplete directory
             keys = ("world_size", "model_class", "optimizer_class", "tensors", "total_bytes")

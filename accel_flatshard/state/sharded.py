@@ -138,8 +138,9 @@ def _range(info: ParamInfo, local: torch.Tensor) -> FlatRange:
     return FlatRange(local, info.piece.param_start, info.shape)
 
 
-def _load(model: nn.Module, directory: str, kind: str, verify_checksums: bool,
-          targets: Callable[[ModelIndex, Dict[str, Any]], Dict[str, Entry]]) -> Tuple[Dict[str, Any], Dict[str, Entry]]:
+def _read_checkpoint(model: nn.Module, directory: str, kind: str, verify_checksums: bool,
+                     targets: Callable[[ModelIndex, Dict[str, Any]], Dict[str, Entry]]
+                     ) -> Tuple[Dict[str, Any], Dict[str, Entry]]:
     """Collective: open ``directory`` as a checkpoint of ``kind``, let ``targets(index, meta)`` check it against
     the model (raising CheckpointError) and name what to fill, then read it.  A problem on any rank is raised
     on every rank before anything is read.  Returns ``(meta, entries)``."""
@@ -191,7 +192,7 @@ def load_sharded_model(model: nn.Module, directory: str, strict: bool = True, ve
         entries.update((n, buf) for n, buf in index.buffers.items() if n in saved)
         return entries
 
-    _load(model, directory, "model", verify_checksums, targets)
+    _read_checkpoint(model, directory, "model", verify_checksums, targets)
 
 
 def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str,
@@ -239,7 +240,7 @@ def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, d
             raise CheckpointError("optimizer checkpoint does not match the optimizer:\n  " + "\n  ".join(problems))
         return entries
 
-    meta, entries = _load(model, directory, "optimizer", verify_checksums, targets)
+    meta, entries = _read_checkpoint(model, directory, "optimizer", verify_checksums, targets)
     state = {fqn: {key: decode_value(v) for key, v in vals.items()} for fqn, vals in meta.get("values", {}).items()}
     for name, desc in meta["tensors"].items():
         if name not in entries:

@@ -176,7 +176,7 @@ def start_from_env(rank: int) -> Optional[Any]:
     prof = profile(activities=activities, on_trace_ready=cycle_done,
                    schedule=schedule(wait=0, warmup=warmup, active=every - warmup))
     prof.start()
-    registry.on_step(post=_step)  # (idempotent: one profiler per process)
+    registry.on_step(post=_step_profiler)  # (idempotent: one profiler per process)
     atexit.register(stop_env_profiler)
     _ENV_PROFILER = prof
     return prof
@@ -190,7 +190,7 @@ def stop_env_profiler() -> None:
         _ENV_PROFILER = None
 
 
-def _step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+def _step_profiler(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
     """After every optimizer step (``registry.on_step``): the running profiler steps too."""
     if _ENV_PROFILER is not None:
         _ENV_PROFILER.step()
