@@ -184,6 +184,7 @@ def _losses(stdout):
     return [line for line in stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.ci  # (two accelerate launches, ~30 s: CI runs it, make test stays under 9 minutes)
 def test_torchtitan_style_example_resumes_from_its_async_dcp_checkpoint(tmp_path):
     from launch_helpers import CPU_FSDP_YAML, REPO, launch
 
