@@ -134,6 +134,7 @@ def test_load_state_resumes_exactly(work, fsdp_run):
     assert result["hook_calls"]["load"] == 2
 
 
+@pytest.mark.ci  # (make test under 9 minutes: CI runs it)
 def test_feature_combo_matches_ddp(work, ddp_ref):
     """Hybrid sharding, activation checkpointing, prefetch options, cpu_ram_efficient_loading, reversed
     prepare order and sync_each_batch at once: still DDP's losses; automatic checkpoint naming keeps

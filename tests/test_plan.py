@@ -450,6 +450,7 @@ def _within_tolerance(planned, measured):
     assert abs(planned["peak_bytes"] - worst) <= TOLERANCE * worst, (planned["peak_bytes"], measured)
 
 
+@pytest.mark.ci  # (make test under 9 minutes: CI runs it)
 def test_cli_gradient_accumulation_matches_accelerator_accumulate(gpt2_config):
     """--gradient_accumulation_steps 2 (default: what accelerator.accumulate does, no_sync: the full gradients
     kept until the last micro-step) against 2 micro-batches of 4 under accelerate launch (issue 30: -17.8%)."""
