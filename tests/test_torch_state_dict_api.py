@@ -75,7 +75,8 @@ def _shape_worker(rank, ws, which, group):
     return checks, _local_bytes(sd), model_bytes, model.shard_group.shard_size, len(rank0_only)
 
 
-@pytest.mark.parametrize("ws, which, group", [(2, "gpt2", None), (4, "llama", 2)], ids=["w2-gpt2", "hybrid-2x2-llama"])
+@pytest.mark.parametrize("ws, which, group", [(2, "gpt2", None), (4, "llama", None), (4, "llama", 2)],
+                         ids=["w2-gpt2", "w4-llama", "hybrid-2x2-llama"])
 def test_default_options_give_this_ranks_pieces_as_sharded_tensors(ws, which, group):
     results = spawn(ws, _shape_worker, which, group, timeout_s=300)
     for rank, (checks, local, total, shard_size, n_full) in enumerate(results):
