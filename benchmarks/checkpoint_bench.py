@@ -86,14 +86,9 @@ def _worker(rank, world, port, args, queue):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.state import (load_sharded_model,
-                                       load_sharded_optimizer,
-                                       save_sharded_model,
-                                       save_sharded_optimizer)
-    from accel_flatshard.state import (full_optim_state_dict,
-                                       full_state_dict,
-                                       load_full_optim_state_dict,
-                                       load_full_state_dict)
+    from accel_flatshard.state import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                       load_full_state_dict, load_sharded_model, load_sharded_optimizer,
+                                       save_sharded_model, save_sharded_optimizer)
 
     torch.manual_seed(0)
     config = GPT2Config(n_embd=args.n_embd, n_layer=args.n_layer, n_head=16)

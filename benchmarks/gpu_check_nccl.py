@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from accel_flatshard import MixedPrecision
-from accel_flatshard.core import comm
-from accel_flatshard.core import fully_sharded as _fully_sharded
+from accel_flatshard.core import comm, fully_sharded as _fully_sharded
 from gpu_check_slow import MODES, slow_gpu
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # launched on the compute stream

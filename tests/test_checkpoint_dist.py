@@ -23,18 +23,10 @@ import models
 from dist_helpers import spawn
 
 from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.state import (CheckpointError,
-                                   UnsafeCheckpointError,
-                                   load_sharded_model,
-                                   load_sharded_optimizer,
-                                   save_sharded_model,
-                                   save_sharded_optimizer)
-from accel_flatshard.state import (full_optim_state_dict,
-                                   full_state_dict,
-                                   load_full_optim_state_dict,
-                                   load_full_state_dict,
-                                   optim_state_dict_from_torch,
-                                   optim_state_dict_to_torch)
+from accel_flatshard.state import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                   load_full_state_dict, load_sharded_model, load_sharded_optimizer,
+                                   optim_state_dict_from_torch, optim_state_dict_to_torch, save_sharded_model,
+                                   save_sharded_optimizer, CheckpointError, UnsafeCheckpointError)
 
 STEPS = 5
 TOL = 1e-6  # resumed vs uninterrupted losses, also across world sizes

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from accel_flatshard.state import CheckpointError, UnsafeCheckpointError
 from torch.distributed.checkpoint.planner import SavePlan

@@ -108,8 +108,7 @@ def _placements_worker(rank, world, tmp):
     """DDP with compiled blocks (the reference), ours regional (with FULL / SHARDED save and load and
     generation), ours whole-model (aot_eager: dynamo + aot_autograd as with inductor, without the C++
     compile; whole-model inductor against DDP whole-model: the slow launch matrix)."""
-    from accel_flatshard import state as ckpt
-    from accel_flatshard import state as sd
+    from accel_flatshard import state as ckpt, state as sd
 
     prompt = batches(1, batch=1, seq=4)[0]
     _fresh_dynamo()

@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from accel_flatshard.core.flat_param import FlatParameter, FlatParamLayout
 

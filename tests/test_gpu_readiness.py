@@ -55,8 +55,7 @@ def _generate(wrapper):
 
 
 def _checkpoint(wrapper, opt, tmp_path):
-    from accel_flatshard.state import save_sharded_model, save_sharded_optimizer
-    from accel_flatshard.state import full_optim_state_dict
+    from accel_flatshard.state import full_optim_state_dict, save_sharded_model, save_sharded_optimizer
 
     save_sharded_model(wrapper, str(tmp_path / "model"))
     save_sharded_optimizer(wrapper, opt, str(tmp_path / "optim"))

@@ -247,8 +247,8 @@ def _conversions(rank, world, root):
     """The full optimizer state dict is one process's Muon's (to torch's format and back); the SHARDED optimizer
     checkpoint saved here is resumed at W=1 by the test."""
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.state import save_sharded_model, save_sharded_optimizer
-    from accel_flatshard.state import full_optim_state_dict, load_full_optim_state_dict
+    from accel_flatshard.state import (full_optim_state_dict, load_full_optim_state_dict, save_sharded_model,
+                                       save_sharded_optimizer)
 
     model = models.llama(n_layer=2)
     muon, adamw = _optimizers(model)
@@ -267,8 +267,8 @@ def _conversions(rank, world, root):
 
 def test_optimizer_state_dicts_convert_and_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, world_of_one):
     from accel_flatshard import FullyShardedDataParallel, transformer_auto_wrap_policy
-    from accel_flatshard.state import load_sharded_model, load_sharded_optimizer
-    from accel_flatshard.state import optim_state_dict_from_torch, optim_state_dict_to_torch
+    from accel_flatshard.state import (load_sharded_model, load_sharded_optimizer, optim_state_dict_from_torch,
+                                       optim_state_dict_to_torch)
 
     ours = spawn(2, _conversions, str(tmp_path))[0]
     plain = models.llama(n_layer=2)  # one process, the global batch

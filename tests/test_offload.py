@@ -81,8 +81,7 @@ def test_offloaded_host_buffers_are_allocated_once_and_reused():
 
 
 def test_cpu_offload_accepts_torch_forms():
-    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload, CPUOffloadPolicy, OffloadPolicy
 
     from accel_flatshard.core.fully_sharded import wants_offload
 

@@ -12,8 +12,7 @@ from typing import List
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch.overrides import TorchFunctionMode
 
 from accel_flatshard.core.flat_param import FlatParamLayout

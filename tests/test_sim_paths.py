@@ -24,14 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from accel_flatshard import CPUOffload, FullyShardedDataParallel, transformer_auto_wrap_policy
-from accel_flatshard.state import (load_sharded_model,
-                                   load_sharded_optimizer,
-                                   save_sharded_model,
+from accel_flatshard.state import (full_optim_state_dict, full_state_dict, load_full_optim_state_dict,
+                                   load_full_state_dict, load_sharded_model, load_sharded_optimizer, save_sharded_model,
                                    save_sharded_optimizer)
-from accel_flatshard.state import (full_optim_state_dict,
-                                   full_state_dict,
-                                   load_full_optim_state_dict,
-                                   load_full_state_dict)
 from accel_flatshard.features.generation import (control_of,
                                                  peak_held_bytes,
                                                  set_generation_options,

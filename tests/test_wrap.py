@@ -4,8 +4,8 @@ import logging
 
 import pytest
 import torch.nn as nn
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
+from torch.distributed.fsdp.wrap import (size_based_auto_wrap_policy as torch_size_policy, transformer_auto_wrap_policy
+                                         as torch_transformer_policy)
 
 from accel_flatshard import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from accel_flatshard.core.wrap import backward_reads_parameters, policy_of, select_units

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 import torch
-from torch.utils._pytree import tree_flatten as _tree_flatten
-from torch.utils._pytree import tree_map as _tree_map
+from torch.utils._pytree import tree_flatten as _tree_flatten, tree_map as _tree_map
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - sees every aten op (the memory planner)
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
-from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+from accelerate.utils import (convert_outputs_to_fp32, get_mixed_precision_context_manager, DistributedType,
+                              DynamoBackend, FullyShardedDataParallelPlugin)
 
 from ..core import options, registry
 from . import patches
@@ -40,8 +40,8 @@ from ..core.options import FlatShardOptions
 from ..core.wrap import checkpoint_units, policy_of
 from . import state_io
 from .versions import check_versions
-from .config import build_plugin_without_device, fsdp_version, normalize_plugin_to_fsdp1
-from .config import launched_world_size, options_from_plugin, requested_parallelism_config, use_cpu_state_for_launch
+from .config import (build_plugin_without_device, fsdp_version, launched_world_size, normalize_plugin_to_fsdp1,
+                     options_from_plugin, requested_parallelism_config, use_cpu_state_for_launch)
 
 _BaseAccelerator = accelerate.accelerator.Accelerator
 _BASE_SIGNATURE = inspect.signature(_BaseAccelerator.__init__)

@@ -20,11 +20,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from unittest import mock
 
 import torch
-from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
-from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch, CPUOffload as TorchCPUOffload
 from torch.distributed.fsdp import ShardingStrategy
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_transformer_policy
+from torch.distributed.fsdp.wrap import (size_based_auto_wrap_policy as torch_size_policy, transformer_auto_wrap_policy
+                                         as torch_transformer_policy)
 
 from ..core import options
 from ..core.fully_sharded import wants_offload

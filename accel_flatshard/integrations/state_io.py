@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state
-from accelerate.checkpointing import save_custom_state
+from accelerate.checkpointing import (load_accelerator_state, load_custom_state, save_accelerator_state,
+                                      save_custom_state)
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import fsdp_utils as _accelerate_fsdp_utils
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
@@ -32,8 +32,8 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULE
 from ..core import comm
 from ..state import commit
 from ..state.atomic import write_atomic
-from ..state.sharded import load_sharded_model, load_sharded_optimizer, save_sharded_model, save_sharded_optimizer
-from ..state.sharded import model_entries, optimizer_entries, save_entries
+from ..state.sharded import (load_sharded_model, load_sharded_optimizer, model_entries, optimizer_entries, save_entries,
+                             save_sharded_model, save_sharded_optimizer)
 from ..core.fully_sharded import FullyShardedDataParallel
 from ..core.model_state import LoadResult, find_wrapper, full_state_dict, load_full_state_dict, record_of
 from ..state.optim import full_optim_state_dict, load_full_optim_state_dict

@@ -48,8 +48,8 @@ from .optim import (LOCAL,
                     state_schema,
                     torch_state_dict)
 from .atomic import commit_dir, new_tmp_dir, write_json_atomic
-from .dcp import METADATA_FILE, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner, dcp_load, dcp_save, plan_reads
-from .dcp import storage_records
+from .dcp import (dcp_load, dcp_save, plan_reads, storage_records, Entry, FlatLoadPlanner, FlatRange, FlatSavePlanner,
+                  METADATA_FILE)
 from ..core.state_errors import CHECKPOINT_ERRORS, CheckpointError, UnsafeCheckpointError, dtype_to_str, str_to_dtype
 
 
