@@ -7,6 +7,7 @@ change proposed for the engine (see the report / README for the exact code chang
 """
 from __future__ import annotations
 
+import os
 import types
 from typing import Callable, Dict, List, Tuple
 
@@ -251,6 +252,10 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     "hpz1": ("kw", lambda m: {"node_local_backward_gather": True, "ranks_per_node": 1}),
     # int8 weights and int8 gradients on the wire (qwZ + qgZ, issue 43; lossy)
     "int8": ("kw", lambda m: {"quantized_all_gather": True, "quantized_reduce": True}),
+    # across machines (benchmarks/link_bench.py; LOCAL_WORLD_SIZE = ranks per machine): HYBRID_SHARD with a shard
+    # group per machine, and hpZ (backward gathers inside the machine)
+    "hybrid": ("kw", lambda m: {"fsdp_group_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}),
+    "hpz": ("kw", lambda m: {"node_local_backward_gather": True}),
 }
 
 

@@ -1,0 +1,231 @@
+"""Two emulated machines joined by a shaped link: network namespaces, one veth pair, ``tc`` on both ends.
+
+    with EmulatedLink() as link:                    # refuses (LinkUnavailable) unless root with ip + tc + netns
+        link.shape(rate_gbit=1, delay_ms=0.5)       # both directions: tbf rate (+ netem delay / loss)
+        procs = [link.popen(i, [sys.executable, "train.py"], env=link.machine_env(i)) for i in (0, 1)]
+        link.outage(True); ...; link.outage(False)  # every packet dropped (netem loss 100%), then restored
+    # both namespaces (and the veth with them) are gone here, also on an exception or Ctrl-C
+
+Layout (machine i = namespace ``<prefix>-m<i>``)::
+
+    namespace afs-<pid>-m0                       namespace afs-<pid>-m1
+      lo (up)                                      lo (up)
+      v0 10.231.<k>.1/24  <=== veth pair ===>     v1 10.231.<k>.2/24
+      egress qdisc: [netem] -> tbf                 egress qdisc: [netem] -> tbf
+
+Processes of one machine reach each other over that namespace's ``lo`` (unshaped, as ranks of one host do over
+shared memory or loopback); only traffic between the machines crosses the veth, and ``tbf`` shapes egress, so
+each end is shaped for its direction.  Every address lives on an interface created here inside a namespace created
+here: nothing touches the host's interfaces or routes.
+
+Cleanup: the namespaces are deleted on ``__exit__``, at interpreter exit (``atexit``) and on SIGINT/SIGTERM (the
+handler deletes them, then raises ``KeyboardInterrupt`` / exits).  A namespace left by a process that was killed
+with SIGKILL carries its pid in its name: :func:`remove_stale` (run by every new link) deletes those of dead pids.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Dict, List, Optional, Sequence
+
+PREFIX = "afs"  # every namespace this module makes is named afs-<pid>-m<i>
+
+
+class LinkUnavailable(RuntimeError):
+    """This host cannot emulate the link (not root, no ip/tc, namespaces refused): the message says what to do."""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip() or done.stdout}")
+    return done
+
+
+def namespaces() -> List[str]:
+    """Names of every network namespace on the host (``ip netns list``)."""
+    if shutil.which("ip") is None:
+        return []
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def ours() -> List[str]:
+    """The namespaces this module made (any process)."""
+    return [ns for ns in namespaces() if ns.startswith(PREFIX + "-")]
+
+
+def remove_stale() -> List[str]:
+    """Delete namespaces of this module whose process is gone (a run killed with SIGKILL); returns their names."""
+    removed = []
+    for ns in ours():
+        try:
+            pid = int(ns.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not os.path.exists(f"/proc/{pid}"):
+            _run("ip", "netns", "del", ns, check=False)
+            removed.append(ns)
+    return removed
+
+
+def check_available() -> None:
+    """Raise :class:`LinkUnavailable` naming what is missing."""
+    if os.geteuid() != 0:
+        raise LinkUnavailable("the link emulation needs root (network namespaces, veth, tc): run it as root, e.g. in "
+                              "CI or `sudo -E make bench-link`")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LinkUnavailable(f"`{tool}` is not installed: install iproute2 (apt-get install iproute2)")
+
+
+class EmulatedLink:
+    """Two namespaces ``names[0]``, ``names[1]`` joined by a veth pair ``v0`` / ``v1``; see the module docstring."""
+
+    def __init__(self, subnet_octet: Optional[int] = None) -> None:
+        check_available()
+        remove_stale()
+        pid = os.getpid()
+        self.names = [f"{PREFIX}-{pid}-m0", f"{PREFIX}-{pid}-m1"]
+        self.devices = ["v0", "v1"]
+        # a private /24 per process (10.231.0.0/16 is used only inside these namespaces), so two links coexist
+        k = subnet_octet if subnet_octet is not None else 1 + pid % 250
+        self.addresses = [f"10.231.{k}.1", f"10.231.{k}.2"]
+        self.made: List[str] = []
+        self._previous_handlers: Dict[int, object] = {}
+        self.shaping: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ set up and tear down
+    def __enter__(self) -> "EmulatedLink":
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            for ns in self.names:
+                done = _run("ip", "netns", "add", ns, check=False)
+                if done.returncode != 0:
+                    raise LinkUnavailable(f"cannot create network namespace {ns}: {done.stderr.strip()} (a container "
+                                          "without CAP_SYS_ADMIN refuses namespaces: run on a host or a privileged "
+                                          "container)")
+                self.made.append(ns)
+            _run("ip", "link", "add", "v0", "netns", self.names[0], "type", "veth", "peer", "name", "v1", "netns",
+                 self.names[1])
+            for ns, dev, addr in zip(self.names, self.devices, self.addresses):
+                self.ns_run(ns, "ip", "addr", "add", f"{addr}/24", "dev", dev)
+                self.ns_run(ns, "ip", "link", "set", dev, "up")
+                self.ns_run(ns, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete the namespaces (the veth goes with them); idempotent."""
+        while self.made:
+            _run("ip", "netns", "del", self.made.pop(), check=False)
+        for sig, handler in self._previous_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):  # (not the main thread, or a handler set from C)
+                pass
+        self._previous_handlers = {}
+        atexit.unregister(self.close)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.close()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    # ------------------------------------------------------------------ running inside
+    @staticmethod
+    def ns_run(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run("ip", "netns", "exec", ns, *argv, check=check)
+
+    def machine_env(self, machine: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """The environment of machine ``machine``'s processes: gloo binds the veth end (its address is what the
+        other machine connects to), the rendezvous is machine 0's address."""
+        env = dict(os.environ if base is None else base)
+        env.update(GLOO_SOCKET_IFNAME=self.devices[machine], MASTER_ADDR=self.addresses[0])
+        return env
+
+    def popen(self, machine: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside machine ``machine``'s namespace."""
+        return subprocess.Popen(["ip", "netns", "exec", self.names[machine], *argv], **kwargs)
+
+    def tx_bytes(self, machine: int) -> int:
+        """Bytes machine ``machine`` has sent over the link so far (its veth end's counter)."""
+        out = self.ns_run(self.names[machine], "cat", f"/sys/class/net/{self.devices[machine]}/statistics/tx_bytes")
+        return int(out.stdout)
+
+    # ------------------------------------------------------------------ the link's shape
+    def shape(self, rate_gbit: Optional[float] = None, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+        """Both directions: ``rate_gbit`` (None: unshaped; veth then moves data at memory speed), one-way
+        ``delay_ms`` and random ``loss_pct`` (netem, parent of the tbf)."""
+        for ns, dev in zip(self.names, self.devices):
+            self.ns_run(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            parent = ["root"]
+            if delay_ms or loss_pct:
+                netem = ["netem", "limit", "100000"]
+                if delay_ms:
+                    netem += ["delay", f"{delay_ms}ms"]
+                if loss_pct:
+                    netem += ["loss", f"{loss_pct}%"]
+                self.ns_run(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem)
+                parent = ["parent", "1:1"]
+            if rate_gbit:
+                # burst: ~1 ms at the rate (at least 64 KiB, what one TSO segment can be); latency bounds the queue
+                burst = max(65536, int(rate_gbit * 1e9 / 8 / 1000))
+                self.ns_run(ns, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", "rate",
+                            f"{rate_gbit * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
+        self.shaping = {"rate_gbit": rate_gbit or 0.0, "delay_ms": delay_ms, "loss_pct": loss_pct}
+
+    def outage(self, down: bool) -> None:
+        """``down``: drop every packet in both directions (a pulled cable: TCP keeps retrying); else restore the
+        shape set by the last :meth:`shape`."""
+        if down:
+            for ns, dev in zip(self.names, self.devices):
+                self.ns_run(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                self.ns_run(ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "loss", "100%")
+        else:
+            s = self.shaping
+            self.shape(s.get("rate_gbit") or None, s.get("delay_ms", 0.0), s.get("loss_pct", 0.0))
+
+    def measure_gbit(self, seconds: float = 1.0) -> float:
+        """Throughput machine 0 -> 1 over the link (one TCP stream for ``seconds``), for checking a shape."""
+        import sys
+
+        receiver = self.popen(1, [sys.executable, "-c", _SINK, self.addresses[1]], stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(0.5)
+            sender = self.popen(0, [sys.executable, "-c", _SOURCE, self.addresses[1], str(seconds)],
+                                stdout=subprocess.PIPE, text=True)
+            out, _ = sender.communicate(timeout=seconds + 30)
+            return float(out.strip())
+        finally:
+            receiver.kill()
+            receiver.wait()
+
+
+_SINK = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 29511)); s.listen(1)
+c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+"""
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 29511)); buf = b"x" * (1 << 20); n = 0; end = time.time() + float(sys.argv[2])
+start = time.time()
+while time.time() < end:
+    c.sendall(buf); n += len(buf)
+print(n * 8 / (time.time() - start) / 1e9)
+"""
