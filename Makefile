@@ -5,7 +5,7 @@ PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 PINS := constraints/pinned.txt
 
-.PHONY: example lint test test-ci test-all test-latest bench bench-gen docs-figures clean
+.PHONY: example lint test test-ci test-all test-latest bench bench-link bench-gen docs-figures clean
 
 $(VENV_STAMP): pyproject.toml $(PINS)
 	python3 -m venv .venv
@@ -45,6 +45,11 @@ test-all: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) benchmarks/bench.py
+
+# Two emulated machines (network namespaces) joined by a veth shaped with tc: every engine at 2 x 1 and 2 x 2 ranks,
+# unshaped, 1 and 10 Gbit/s (benchmarks/link_bench.py --help: rates, accumulation, engines).  Needs root.
+bench-link: $(VENV_STAMP)
+	$(PY) benchmarks/link_bench.py --json bench_link.json
 
 bench-gen: $(VENV_STAMP)
 	$(PY) benchmarks/gen_bench.py
