@@ -6,6 +6,11 @@ bytes our engine sends per step and rank (ShardGroup's counters, the table's "se
 engines' traffic is not counted by the bench).
 
     python benchmarks/bench_plot.py bench.json docs/figures/bench.png [--title ...]
+    python benchmarks/bench_plot.py --link bench_link.json docs/figures/link.png   # make bench-link's crossover
+
+``--link``: ``benchmarks/link_bench.py --json``'s rows as the crossover chart: one panel per machines x ranks (and
+accumulation), step time against link rate for each engine (log-log; "unshaped" drawn at the right end), the bound
+of our exact engine dashed.
 """
 from __future__ import annotations
 
@@ -86,14 +91,66 @@ def plot_bench(data: Dict[str, Any], out: str, title: Optional[str] = None) -> N
     plt.close(fig)
 
 
+def link_series(rows: List[Dict[str, Any]]) -> Dict[Tuple[str, int], Dict[str, List[Tuple[float, float]]]]:
+    """``{(topology, accumulate): {engine: [(rate Gbit/s, median step s), ...]}}``, rates ascending, the unshaped
+    phase as rate ``inf``."""
+    out: Dict[Tuple[str, int], Dict[str, List[Tuple[float, float]]]] = {}
+    for r in rows:
+        rate = r["rate_gbit"] or float("inf")
+        out.setdefault((r["topology"], r["accumulate"]), {}).setdefault(r["engine"], []).append((rate, r["median_s"]))
+    return {k: {e: sorted(v) for e, v in panel.items()} for k, panel in out.items()}
+
+
+def plot_link(data: Dict[str, Any], out: str, title: Optional[str] = None) -> None:
+    """Draw ``data`` (link_bench.py ``--json``: ``{"argv", "head", "rows"}``) to the PNG ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    panels = link_series(data["rows"])
+    if not panels:
+        raise ValueError("no rows to draw")
+    finite = sorted({r for panel in panels.values() for pts in panel.values() for r, _ in pts if r != float("inf")})
+    right = (finite[-1] * 4) if finite else 1.0  # where "unshaped" is drawn
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), dpi=90, squeeze=False)
+    for ax, ((topology, k), panel) in zip(axes[0], sorted(panels.items())):
+        for e, pts in sorted(panel.items()):
+            xs = [right if r == float("inf") else r for r, _ in pts]
+            ax.plot(xs, [t * 1e3 for _, t in pts], marker="o", markersize=3, label=e,
+                    linewidth=2.2 if e in ("ddp", "ours") else 1.1, color="black" if e == "ddp" else None)
+        bound = sorted((right if r["rate_gbit"] == 0 else r["rate_gbit"], r["bound_s"]) for r in data["rows"]
+                       if (r["topology"], r["accumulate"], r["engine"]) == (topology, k, "ours"))
+        if bound:
+            ax.plot([x for x, _ in bound], [b * 1e3 for _, b in bound], linestyle="--", color="0.4",
+                    label="bound of ours exact: max(compute, bytes / rate)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(finite + [right], [f"{r:g}" for r in finite] + ["unshaped"], fontsize=7)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        ax.set_xlabel("link rate between the machines (Gbit/s)")
+        ax.set_ylabel("step time (ms, median)")
+        ax.set_title(f"{topology} (machines x ranks), {k} micro-batch{'es' if k > 1 else ''} per step", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, frameon=False)
+    fig.suptitle(textwrap.fill(title or data.get("head", "make bench-link"), 75 * len(panels)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("json", help="bench.py --json output")
+    p.add_argument("json", help="bench.py --json output (link_bench.py's with --link)")
     p.add_argument("out", help="the PNG to write")
     p.add_argument("--title", default=None)
+    p.add_argument("--link", action="store_true", help="the json is link_bench.py's: draw the crossover chart")
     args = p.parse_args(argv)
     with open(args.json) as f:
-        plot_bench(json.load(f), args.out, args.title)
+        (plot_link if args.link else plot_bench)(json.load(f), args.out, args.title)
     return 0
 
 

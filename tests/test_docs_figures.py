@@ -157,3 +157,21 @@ def test_bench_plot_reads_a_json_sample_and_writes_a_png(tmp_path):
     sample.write_text(json.dumps(BENCH_SAMPLE))
     assert bench_plot.main([str(sample), str(tmp_path / "bench.png")]) == 0
     assert _is_png(tmp_path / "bench.png")
+
+
+LINK_SAMPLE = {"head": "tiny", "rows": [
+    {"topology": "2x1", "accumulate": 1, "rate_gbit": rate, "engine": e, "median_s": t, "bound_s": b}
+    for rate, e, t, b in ((0.0, "ddp", 0.9, 0.9), (1.0, "ddp", 1.4, 0.9), (10.0, "ddp", 1.0, 0.9),
+                          (0.0, "ours", 1.1, 1.1), (1.0, "ours", 2.1, 1.2), (10.0, "ours", 1.2, 1.1))]}
+
+
+def test_link_series_orders_rates_with_unshaped_last():
+    series = bench_plot.link_series(LINK_SAMPLE["rows"])
+    assert series[("2x1", 1)]["ddp"] == [(1.0, 1.4), (10.0, 1.0), (float("inf"), 0.9)]
+
+
+def test_link_plot_reads_a_json_sample_and_writes_a_png(tmp_path):
+    sample = tmp_path / "link.json"
+    sample.write_text(json.dumps(LINK_SAMPLE))
+    assert bench_plot.main(["--link", str(sample), str(tmp_path / "link.png")]) == 0
+    assert (tmp_path / "link.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
