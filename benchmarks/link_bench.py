@@ -1,6 +1,6 @@
 """The engines across two emulated machines joined by a shaped link (``make bench-link``; needs root).
 
-    sudo .venv/bin/python benchmarks/link_bench.py                      # 2 x 1 and 2 x 2 ranks, unshaped, 1 and 10 Gbit/s
+    sudo .venv/bin/python benchmarks/link_bench.py    # 2 x 1 and 2 x 2 ranks, unshaped, 1 and 10 Gbit/s
     .venv/bin/python benchmarks/link_bench.py --topologies 2x2 --rates 1 --accumulate 4 --engines ddp,ours+hybrid
     .venv/bin/python benchmarks/link_bench.py --tiny --topologies 2x1 --rates 1   # seconds: the test's size
 
@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]

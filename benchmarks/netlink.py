@@ -223,8 +223,8 @@ while c.recv(1 << 20):
 """
 _SOURCE = """
 import socket, sys, time
-c = socket.create_connection((sys.argv[1], 29511)); buf = b"x" * (1 << 20); n = 0; end = time.time() + float(sys.argv[2])
-start = time.time()
+c = socket.create_connection((sys.argv[1], 29511)); buf = b"x" * (1 << 20); n = 0
+start = time.time(); end = start + float(sys.argv[2])
 while time.time() < end:
     c.sendall(buf); n += len(buf)
 print(n * 8 / (time.time() - start) / 1e9)
