@@ -91,6 +91,8 @@ def step(runner, micro_batches) -> float:
     import torch
 
     total = 0.0
+    span = torch.profiler.record_function(f"bench::step[{runner.name}]")  # (--profile: one span kind per engine)
+    span.__enter__()
     for i, x in enumerate(micro_batches):
         quiet = no_sync_of(runner.model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
         with quiet:
@@ -101,7 +103,7 @@ def step(runner, micro_batches) -> float:
         opt.step()
     for opt in runner.opts:
         opt.zero_grad(set_to_none=True)
-    del torch
+    span.__exit__(None, None, None)
     return total
 
 
@@ -129,6 +131,7 @@ def run_phases(rank: int, world: int, local: int, args) -> Optional[List[dict]]:
         times = {e: [] for e in args.engines}
         sent = {e: [] for e in args.engines}
         losses = {e: [] for e in args.engines}
+        prof = bench.row_profiler(device) if args.profile and rank == 0 else None
         for s in range(total):
             micro = [x[rank * args.batch:(rank + 1) * args.batch] for x in batches[s]]
             k = s % len(runners)
@@ -146,6 +149,9 @@ def run_phases(rank: int, world: int, local: int, args) -> Optional[List[dict]]:
                     losses[r.name].append(loss)
             if rank == 0 and args.verbose:
                 print(f"  [{rate or 'unshaped'} Gbit/s] step {s}", flush=True)
+        if prof is not None:  # our engines' phase tables at this rate (rank 0; the profiler slows every engine)
+            for name, text in bench.profile_tables(prof, runners, f"{rate}gbit", rank, args).items():
+                print(f"[{rate or 'unshaped'} Gbit/s / {name}]\n{text}\n", flush=True)
         t = torch.tensor([times[e] for e in args.engines], dtype=torch.float64)
         b = torch.tensor([sent[e] for e in args.engines], dtype=torch.float64)
         lo = torch.tensor([losses[e] for e in args.engines], dtype=torch.float64)
@@ -199,7 +205,8 @@ def run_topology(link: netlink.EmulatedLink, topology: str, accumulate: int, arg
             str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq), "--rates",
             ",".join(f"{r:g}" for r in args.rates), "--engines", engines, "--accumulate", str(accumulate),
             "--ranks-per-machine", str(per_machine), "--port", str(port), "--threads", str(threads),
-            "--timeout", str(args.timeout), "--out", out] + (["-v"] if args.verbose else [])
+            "--timeout", str(args.timeout), "--out", out] + (["-v"] if args.verbose else []) + (
+            ["--profile"] if args.profile else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(HERE)}
     procs = [link.popen(m, argv + ["--machine", str(m)], env=link.machine_env(m, env)) for m in (0, 1)]
     deadline = time.monotonic() + args.run_timeout
@@ -271,6 +278,9 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=3600, help="bound on one topology's run (s)")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--workdir", default=None, help="where the machines write their rows (default: a temp dir)")
+    p.set_defaults(trace_dir=None)  # (bench.profile_tables: no trace files)
+    p.add_argument("--profile", action="store_true", help="print our engines' phase tables per rate (rank 0; slows "
+                   "every engine: take the speed table from a run without it)")
     p.add_argument("-v", "--verbose", action="store_true")
     # inside a machine (set by the orchestrator)
     p.add_argument("--machine", type=int, default=None, help=argparse.SUPPRESS)
