@@ -42,7 +42,7 @@ def _gathered_grads(wrapped) -> dict:
     return grads
 
 
-def _train(model, data, rank=0, world=1):
+def _train(model, data, rank=0, world=1, raw=False):
     """``STEPS`` AdamW steps of ``len(data) // STEPS`` micro-batches each (no_sync on all but the last); returns the
     global-mean loss per step, the first step's gradients, and the bytes each step sent by (kind, intra | inter)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -55,7 +55,10 @@ def _train(model, data, rank=0, world=1):
         for i, x in enumerate(data[step * per_step:(step + 1) * per_step]):
             local = x.chunk(world)[rank]
             quiet = sharded and i < per_step - 1
-            with model.no_sync() if quiet else contextlib.nullcontext():
+            if raw:  # FSDP2's switches instead of no_sync (the wrapper's docstring example)
+                model.set_reshard_after_backward(not quiet)
+                model.set_requires_all_reduce(not quiet)
+            with model.no_sync() if quiet and not raw else contextlib.nullcontext():
                 loss = model(local, labels=local).loss / per_step
                 loss.backward()
             total += global_mean(loss, world)
@@ -77,12 +80,13 @@ def _wrap(settings: dict):
     return FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model), **settings)
 
 
-def _sharded_runs(rank, world, runs):
-    """Each of ``runs`` (settings, global batches) on a fresh model: losses, first grads, params, bytes per step."""
+def _sharded_runs(rank, world, runs, raw=False):
+    """Each of ``runs`` (settings, global batches) on a fresh model: losses, first grads, params, bytes per step
+    (``raw``: accumulating through set_reshard_after_backward / set_requires_all_reduce, not no_sync)."""
     out = []
     for settings, data in runs:
         wrapped = _wrap(settings)
-        losses, grads, sent = _train(wrapped, data, rank, world)
+        losses, grads, sent = _train(wrapped, data, rank, world, raw)
         out.append((losses, grads, full_params(wrapped), sent))
     return out
 
@@ -93,9 +97,9 @@ def _reference():
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _check_matches_reference(settings):
+def _check_matches_reference(settings, raw=False):
     ref_losses, ref_grads, ref_params = _reference()
-    losses, grads, params, _ = spawn(4, _sharded_runs, [(settings, _data(4))])[0][0]
+    losses, grads, params, sent = spawn(4, _sharded_runs, [(settings, _data(4))], raw)[0][0]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < LOSS_TOL, (losses, ref_losses)
     assert grads.keys() == ref_grads.keys()
     scale = max(g.abs().max().item() for g in ref_grads.values())
@@ -104,6 +108,7 @@ def _check_matches_reference(settings):
     assert params.keys() == ref_params.keys()
     param_err = max((params[k] - ref_params[k]).abs().max().item() for k in params)
     assert param_err < PARAM_TOL, param_err
+    return sent
 
 
 def test_hybrid_defer_cross_machine_reduce_matches_single_process():
@@ -123,6 +128,19 @@ def test_full_shard_keep_gathered_across_micro_batches_matches_single_process():
 @pytest.mark.ci
 def test_hybrid_keep_gathered_and_defer_match_single_process():
     _check_matches_reference(dict(HYBRID, **KEEP, **DEFER))
+
+
+def test_fsdp2_switches_in_a_raw_loop_match_single_process_and_cross_machines_once():
+    """set_reshard_after_backward(False) and set_requires_all_reduce(False) on the first 3 micro-batches (hybrid):
+    the reference's result, one replica all-reduce's bytes per step, and backward gathers only in the first
+    micro-batch (the switch keeps units after backward; the input embedding, which its backward does not gather, is
+    still gathered by every forward)."""
+    sent = _check_matches_reference(HYBRID, raw=True)[-1]
+    one_step = spawn(4, _sharded_runs, [(HYBRID, _data(4)[::MICRO])])[0][0][3][-1]
+    assert _bytes(sent, "replica all-reduce", "inter") == _bytes(one_step, "replica all-reduce", "inter") > 0
+    assert _bytes(sent, "backward gather", "intra") == _bytes(one_step, "backward gather", "intra") > 0
+    assert _bytes(one_step, "forward gather", "intra") < _bytes(sent, "forward gather", "intra") \
+        < 2 * _bytes(one_step, "forward gather", "intra")
 
 
 def _bytes(sent: dict, kind: str, where: str) -> int:

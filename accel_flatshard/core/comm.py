@@ -277,8 +277,6 @@ class ShardGroup:
         self.bytes_reduced += full.numel() * full.element_size()
         if self.reduces_in_two_stages:
             return self._reduce_scatter_in_two(output, full, async_op, carry)
-        if carry is not None:
-            raise ValueError("a carried machine sum needs a reduction in two stages (node_local_backward_gather)")
         self._count("reduction", self.shard, output.numel() * output.element_size())
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
@@ -319,11 +317,8 @@ class ShardGroup:
         self._count("reduction", column, chunk)
         blocks, partial = full.view(column.size, -1), output.new_empty(column.size, output.numel())
         summed = partial.view(-1)
-
-        def add_carry() -> None:  # (the earlier micro-batches' machine sums: one crossing for the whole step)
-            if carry is not None:
-                summed.add_(carry)
-
+        # (``carry``: the earlier micro-batches' machine sums, added before the one crossing of the step)
+        add_carry = lambda: carry is None or summed.add_(carry)  # noqa: E731
         if self.via_p2p:
             first = _reduce_scatter_p2p(node, list(partial), list(blocks))
             second = lambda: (add_carry(), _reduce_scatter_p2p(column, [output], [summed]).wait())  # noqa: E731
