@@ -476,3 +476,37 @@ def test_cli_parallelism_config_matches_the_4_process_hsdp_launch(gpt2_config):
     planned, measured = _plan_and_launch(gpt2_config, hsdp, ["--batch_size", "4"], ["--batch_size", "4"])
     assert planned["config"].startswith("HYBRID_SHARD group 2")
     _within_tolerance(planned, measured)
+
+
+def test_planner_counts_units_kept_gathered_across_micro_batches_and_their_once_per_step_gathers():
+    """keep_gathered_across_micro_batches: the predicted peak holds every unit gathered (higher than without; the
+    measured rows above hold it to the real step), and the cost model gathers once per step instead of per
+    micro-step (fewer seconds)."""
+    base = row("llama", 2, "no_sync", micro_batch=2, accumulation="no_sync")
+    keep = row("llama", 2, "no_sync, keep gathered", micro_batch=2, accumulation="no_sync",
+               keep_gathered_across_micro_batches=True)
+    planner = base.planner("cpu")
+    assert planner.predict(keep.cfg).peak_bytes > planner.predict(base.cfg).peak_bytes
+    assert plan.step_time(planner, keep.cfg) < plan.step_time(planner, base.cfg)
+    hybrid = row("llama", 4, "hybrid no_sync", micro_batch=2, accumulation="no_sync", fsdp_group_size=2)
+    deferred = row("llama", 4, "hybrid no_sync, deferred", micro_batch=2, accumulation="no_sync", fsdp_group_size=2,
+                   defer_cross_machine_reduce=True)
+    planner4 = hybrid.planner("cpu")
+    # (deferring reduces inside the group every micro-step: more time than one reduction, for a shard's memory)
+    assert plan.step_time(planner4, deferred.cfg) > plan.step_time(planner4, hybrid.cfg)
+    assert planner4.predict(deferred.cfg).peak_bytes < planner4.predict(hybrid.cfg).peak_bytes
+
+
+ACCUMULATION_OVER_SLOW_LINKS = [
+    row("llama", 2, "micro-batch 1, no_sync, keep gathered", micro_batch=1, accumulation="no_sync",
+        keep_gathered_across_micro_batches=True),
+    row("llama", 4, "HYBRID group 2, micro-batch 1, no_sync, keep gathered + deferred", micro_batch=1,
+        accumulation="no_sync", fsdp_group_size=2, keep_gathered_across_micro_batches=True,
+        defer_cross_machine_reduce=True)]
+
+
+@pytest.mark.parametrize("r", [pytest.param(ACCUMULATION_OVER_SLOW_LINKS[0], id="keep-w2"),
+                               pytest.param(ACCUMULATION_OVER_SLOW_LINKS[1], id="keep-defer-w4", marks=pytest.mark.ci)])
+def test_planner_peak_matches_the_measured_step_accumulating_over_slow_links(r):
+    results = dist_helpers.spawn(r.world_size, measure_rows, [r], [None], timeout_s=300)
+    _check([r], [max(rank[0] for rank in results)], f"{r.world_size} gloo ranks")

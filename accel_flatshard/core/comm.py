@@ -262,13 +262,21 @@ class ShardGroup:
         work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
         return followed_by(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
+    @property
+    def reduces_in_two_stages(self) -> bool:
+        """Whether :meth:`reduce_scatter` sums inside the machine first, then 1/N across (hpZ): a shard group over 2
+        machines or more, of 2 ranks or more each (with 1, the column group is the shard group)."""
+        return self.column is not None and self.node.size > 1 and not self.reduce_scatter_via_all_reduce
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True,
+                       carry: Optional[torch.Tensor] = None):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
-        and this rank's part copied out once the work is complete; with node groups: :meth:`_reduce_scatter_in_two`)."""
+        and this rank's part copied out once the work is complete; with node groups: :meth:`_reduce_scatter_in_two`,
+        whose machine sum gets ``carry`` added before it crosses machines: :meth:`reduce_scatter_inside_machine`'s
+        sums of earlier micro-batches)."""
         self.bytes_reduced += full.numel() * full.element_size()
-        # (a shard group over 2 machines or more, of 2 ranks or more each; with 1, the column group is the shard group)
-        if self.column is not None and self.node.size > 1 and not self.reduce_scatter_via_all_reduce:
-            return self._reduce_scatter_in_two(output, full, async_op)
+        if self.reduces_in_two_stages:
+            return self._reduce_scatter_in_two(output, full, async_op, carry)
         self._count("reduction", self.shard, output.numel() * output.element_size())
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
@@ -281,7 +289,22 @@ class ShardGroup:
         work = dist.all_reduce(full, group=self.shard_group, async_op=async_op)
         return waited(Handle([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
 
-    def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
+    def reduce_scatter_inside_machine(self, partial: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Any:
+        """The first stage of :meth:`_reduce_scatter_in_two` alone (defer_cross_machine_reduce): the machine's sums of
+        the chunks this rank's column owns into ``partial`` (numel: the column group's size x a shard); nothing
+        crosses machines."""
+        node, column = self.node, self.column
+        self.bytes_reduced += full.numel() * full.element_size()
+        self._count("reduction", node, partial.numel() * partial.element_size())
+        blocks, parts = full.view(column.size, -1), partial.view(column.size, -1)
+        if self.via_p2p:
+            return waited(_reduce_scatter_p2p(node, list(parts), list(blocks)), async_op)
+        works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
+                 for part, block in zip(parts, blocks)]
+        return Handle(works) if async_op else DONE
+
+    def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool,
+                               carry: Optional[torch.Tensor] = None) -> Any:
         """hpZ's reduction, exact (only the order of the sums differs): first inside the machine, then 1/N of it across
         machines (N ranks per machine, M machines in the shard group).  Shard rank k*N + i (machine k, index i) owns
         chunk k*N + i of ``full``.  (1) Over the node group, block k' of ``full`` (the chunks of machine k''s ranks)
@@ -293,14 +316,17 @@ class ShardGroup:
         self._count("reduction", node, column.size * chunk)
         self._count("reduction", column, chunk)
         blocks, partial = full.view(column.size, -1), output.new_empty(column.size, output.numel())
+        summed = partial.view(-1)
+        # (``carry``: the earlier micro-batches' machine sums, added before the one crossing of the step)
+        add_carry = lambda: carry is None or summed.add_(carry)  # noqa: E731
         if self.via_p2p:
             first = _reduce_scatter_p2p(node, list(partial), list(blocks))
-            second = lambda: _reduce_scatter_p2p(column, [output], [partial.view(-1)]).wait()  # noqa: E731
+            second = lambda: (add_carry(), _reduce_scatter_p2p(column, [output], [summed]).wait())  # noqa: E731
         else:
             works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
                      for part, block in zip(partial, blocks)]
             first = Handle(works if async_op else [])
-            second = lambda: _reduce_scatter_flat(output, partial.view(-1), group=column.group)  # noqa: E731
+            second = lambda: (add_carry(), _reduce_scatter_flat(output, summed, group=column.group))  # noqa: E731
         return followed_by(first, second, async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

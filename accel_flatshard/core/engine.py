@@ -11,6 +11,10 @@ section 5 says how they differ and what the bookkeeping (gathers in flight, pend
 * Hybrid sharding: the replica all-reduce follows the reduce-scatter (``adapter.after``): on CUDA it is issued at
   once on its own stream behind the reduce-scatter's event, so it does not serialise the next unit's
   reduce-scatter; on gloo it is issued once the reduce-scatter is done.
+* Deferred reductions (``defer_cross_machine_reduce``, FSDP2's ``set_requires_all_reduce(False)``): a micro-batch
+  reduces only inside the shard group (hybrid) or the machine (hpZ's first stage); the partial sums are carried
+  (``_carried``, a shard, or 1/N of the gradient with hpZ) and added in before the syncing micro-batch's one
+  crossing (the replica all-reduce, hpZ's second stage).  Sums are linear: pre/post divide apply as before.
 * CPU offload: the reduced shard's copy to its host buffer (``offload.py``) follows the reduction the same way; a
   reduced shard's device copy is dropped once that copy is issued (same-stream reuse is ordered).
 """
@@ -47,6 +51,7 @@ class _PendingReduce:
     replicas: Optional[Handle] = None  # completion of the replica all-reduce (hybrid sharding)
     host_grad: Optional[torch.Tensor] = None  # offload: the host buffer the reduced shard is copied into
     copied: Optional[Handle] = None  # offload: completion of the copy into ``host_grad``
+    deferred: bool = False  # a partial sum (inside the shard group / machine), carried to the syncing micro-batch
 
 
 def gradient_predivide_factor(world_size: int) -> int:
@@ -73,6 +78,8 @@ class Engine:
         self._gathers: Dict[Tuple[FlatParameter, ...], Tuple[Any, str]] = {}  # in flight, oldest first
         self._reduces: Deque[_PendingReduce] = collections.deque()  # full gradient still alive
         self._reduced: List[_PendingReduce] = []  # full gradient dropped, result not yet accumulated
+        # flat parameter -> the sum of its deferred partial reductions since the last crossing (not divided yet)
+        self._carried: Dict[FlatParameter, torch.Tensor] = {}
         self._shards_written = False  # drained for a shard write: the next gather waits for the compute stream
         self.phase = "forward"  # the schedule's pass ("forward" / "backward"): labels the all-gathers' bytes
         self.offload: Optional[HostOffload] = None
@@ -175,8 +182,20 @@ class Engine:
                 self.streams.free_gathered(flat)
 
     # ------------------------------------------------------------------ reduce-scatter
-    def reduce_grad(self, flat: FlatParameter, full_grad: torch.Tensor, label: str = "") -> None:
-        """Start reducing a full flat gradient to this rank's shard (averaged over all ranks)."""
+    @property
+    def can_defer_cross_machine(self) -> bool:
+        """Whether a reduction has a part to defer: the replica all-reduce (hybrid) or hpZ's stage across machines
+        (not with int8 gradients, whose all-to-all has no inside-the-machine stage)."""
+        return self.group.is_hybrid or self._reduces_in_two_stages
+
+    @property
+    def _reduces_in_two_stages(self) -> bool:
+        return bool(getattr(self.group, "reduces_in_two_stages", False)) and not self.quantized_reduce
+
+    def reduce_grad(self, flat: FlatParameter, full_grad: torch.Tensor, label: str = "",
+                    deferred: bool = False) -> None:
+        """Start reducing a full flat gradient to this rank's shard (averaged over all ranks); ``deferred``: only its
+        part inside the shard group / machine, carried to the next reduction that is not (:attr:`_carried`)."""
         s = self.streams
         label = label or "?"
         while len(self._reduces) >= MAX_PENDING_REDUCTIONS:
@@ -191,10 +210,23 @@ class Engine:
                 full.div_(self.predivide)
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
             quantized = self.quantized_reduce  # (int8 through an all-to-all, summed in float32)
+            two_stages = self._reduces_in_two_stages
+            # hpZ deferred: the machine's sums of this rank's column's chunks (column size x a shard)
+            numel = flat.layout.shard_numel * (self.group.column.size if deferred and two_stages else 1)
+            carry = None if deferred else self._carried.pop(flat, None)  # (added once: popped)
             with s.on(self.reduce_scatter_stream):
-                shard_out = torch.empty(flat.layout.shard_numel, dtype=torch.float32 if quantized else dtype,
-                                        device=full.device)
-            if quantized:  # (fp16 loss scaling: an overflow arrives as nan, so the grad scaler skips the step)
+                shard_out = torch.empty(numel, dtype=torch.float32 if quantized else dtype, device=full.device)
+            if carry is not None:
+                s.record_stream(carry, self.replica_stream if self.group.is_hybrid and not two_stages
+                                else self.reduce_scatter_stream)
+            if deferred and two_stages:
+                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
+                                      self.group.reduce_scatter_inside_machine(out, full, async_op=async_op))
+            elif two_stages:
+                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full, c=carry:
+                                      self.group.reduce_scatter(out, full, async_op=async_op, carry=c))
+                carry = None  # (added by the second stage)
+            elif quantized:  # (fp16 loss scaling: an overflow arrives as nan, so the grad scaler skips the step)
                 fp16 = getattr(self.mixed_precision, "param_dtype", None) == torch.float16
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
                                       self.group.reduce_scatter_quantized(
@@ -203,11 +235,18 @@ class Engine:
             else:
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
                                       self.group.reduce_scatter(out, full, async_op=async_op))
-        r = _PendingReduce(flat, handle, full, shard_out, label)
+        r = _PendingReduce(flat, handle, full, shard_out, label, deferred=deferred)
         del full, shard_out
+        if deferred:
+            self._reduces.append(r)  # (finish_reduces carries it: no replica all-reduce, no offload copy)
+            return
         if self.group.is_hybrid:
-            r.replicas = s.after(r.reduced, self.replica_stream, lambda async_op: self.group.all_reduce_replicas(
-                r.shard_out, async_op=async_op))
+            def all_reduce_replicas(async_op: bool) -> Any:
+                if carry is not None:  # the earlier micro-batches' partial sums: one all-reduce for the step
+                    r.shard_out.add_(carry)
+                return self.group.all_reduce_replicas(r.shard_out, async_op=async_op)
+
+            r.replicas = s.after(r.reduced, self.replica_stream, all_reduce_replicas)
         if self.offload is not None:
             stream = self.replica_stream if r.replicas is not None else self.reduce_scatter_stream
             r.copied = s.after(r.replicas or r.reduced, stream, lambda _: self._copy_grad_to_host(r, stream),
@@ -238,10 +277,16 @@ class Engine:
         self._reduced.append(r)
 
     def finish_reduces(self) -> None:
-        """Wait for every pending reduction and add the results to the sharded gradients."""
+        """Wait for every pending reduction and add the results to the sharded gradients (deferred ones: to the
+        carried partial sums)."""
         while self._reduces:
             self._complete_reduction(self._reduces.popleft())
         done, self._reduced = self._reduced, []
+        for r in (r for r in done if r.deferred):
+            self.streams.record_stream(r.shard_out, self.streams.compute_stream())
+            carried = self._carried.get(r.flat)
+            self._carried[r.flat] = r.shard_out if carried is None else carried.add_(r.shard_out)
+        done = [r for r in done if not r.deferred]
         if any(r.replicas is not None for r in done):
             with span("wait_replica_all_reduce"):
                 for r in done:

@@ -26,6 +26,13 @@ ParamInitFn = Callable[[nn.Module], None]
 logger = logging.getLogger(__name__)
 
 _UNSET = object()  # backward_prefetch not given (None means no prefetch)
+_NOTHING_TO_DEFER = (
+    "defer_cross_machine_reduce (FLATSHARD_DEFER_CROSS_MACHINE_REDUCE) defers the part of a gradient reduction that "
+    "crosses shard groups or machines, and this model's has none: its shard group ({group} of {world} ranks) is not "
+    "hybrid, and node_local_backward_gather is off, or its shard group is on one machine (ranks_per_node), or the "
+    "gradients are int8 (quantized_reduce, whose all-to-all has no inside-the-machine stage). Set fsdp_group_size "
+    "below the world size (HYBRID_SHARD) or node_local_backward_gather with ranks_per_node below the shard group size; "
+    "or unset it and use keep_gathered_across_micro_batches, or plain no_sync (which reduces once per step)")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -115,6 +122,9 @@ class FullyShardedDataParallel(nn.Module):
             logger.warning("accel_flatshard: quantized communication on: %s, blocks of %d elements "
                            "(docs/communication.md)", " and ".join(lossy), options.quant_block)
         engine = Engine(self.shard_group, device, options)
+        if options.defer_cross_machine_reduce and not engine.can_defer_cross_machine:
+            raise ValueError(_NOTHING_TO_DEFER.format(world=self.shard_group.world_size,
+                                                      group=self.shard_group.shard_size))
         # the model's step and its operations outside the step: generation, state dicts and the planner use it
         self.schedule = schedule = Schedule(engine, options)
 
@@ -223,13 +233,41 @@ class FullyShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate full gradients locally; the first backward outside reduces them all at once (costs one
-        full-size gradient per unit in memory, saves one reduce-scatter per micro-step)."""
+        full-size gradient per unit in memory, saves one reduce-scatter per micro-step).  With
+        ``keep_gathered_across_micro_batches`` units also stay gathered inside (one gather per unit and step); with
+        ``defer_cross_machine_reduce`` gradients are reduced inside the shard group / machine each micro-batch
+        instead, and only the syncing backward crosses machines (docs/communication.md)."""
         previous = self.schedule.sync_grads
         self.schedule.sync_grads = False
         try:
             yield
         finally:
             self.schedule.sync_grads = previous
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """FSDP2's switch for raw accumulation loops: False keeps every unit gathered after its backward (and from then
+        on, so the next micro-batches gather nothing) until a backward with True ends; an optimizer step,
+        ``load_state_dict`` or ``summon_full_params`` in between frees them first (they would be stale).  The
+        option ``keep_gathered_across_micro_batches`` does this (and keeps them after forward too) inside
+        ``no_sync()``, which accelerate's ``accumulate`` uses.  Example (4 micro-batches a step)::
+
+            for i, batch in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                model.set_reshard_after_backward(last)
+                model.set_requires_all_reduce(last)  # hybrid / hpZ: cross machines once, on the last
+                model(batch).loss.backward()  # (scaled by 1 / len(micro_batches) for the mean)
+            optimizer.step()
+            optimizer.zero_grad()
+        """
+        self.schedule.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """FSDP2's switch: False makes each backward reduce gradients only inside the shard group (hybrid) or the
+        machine (hpZ's first stage) and carry the partial sums; the next backward with True adds them in before its
+        one reduction across machines (example: :meth:`set_reshard_after_backward`).  The option
+        ``defer_cross_machine_reduce`` does this inside ``no_sync()``.  No effect on a model whose reduction does not
+        cross shard groups or machines (every backward reduces in full, as FSDP2 without a replica group)."""
+        self.schedule.requires_all_reduce = bool(requires_all_reduce)
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True, recurse: bool = True) -> Iterator[None]:

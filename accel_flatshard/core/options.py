@@ -152,6 +152,18 @@ class FlatShardOptions:
         "backward all-gather runs inside the machine, and gradients are summed inside the machine before 1/N of them "
         "crosses (docs/communication.md); costs that much memory per unit until its backward",
         env="FLATSHARD_NODE_LOCAL_BACKWARD_GATHER", kind=BOOL)
+    # ---- accumulation over slow links (docs/communication.md "Accumulation over slow links")
+    keep_gathered_across_micro_batches: bool = _setting(
+        False, "inside `no_sync()` (accelerate's non-final micro-batches) units stay gathered after forward and "
+        "backward, so each unit is gathered once per optimizer step; the syncing backward frees them (costs the "
+        "whole model gathered, in the compute dtype, during accumulation)",
+        env="FLATSHARD_KEEP_GATHERED_ACROSS_MICRO_BATCHES", kind=BOOL)
+    defer_cross_machine_reduce: bool = _setting(
+        False, "inside `no_sync()` gradients are reduced every micro-batch but only inside the shard group (hybrid) or "
+        "the machine (`node_local_backward_gather`), the partial sums kept; what crosses machines (the replica "
+        "all-reduce, hpZ's second stage) runs once, on the syncing micro-batch (costs a gradient shard, not a full "
+        "gradient; an error unless hybrid or hpZ spans machines)",
+        env="FLATSHARD_DEFER_CROSS_MACHINE_REDUCE", kind=BOOL)
     # ---- generation and frozen models (generation.py)
     generation_mode: str = _setting(
         "budget", "units kept gathered during `generate()`: `budget` keeps as many as `generation_budget_mb` allows "

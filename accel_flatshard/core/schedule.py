@@ -23,7 +23,7 @@ from . import registry
 from .options import BackwardPrefetch, FlatShardOptions
 from .outside_reads import enable_outside_reads
 from .spans import begin_span, end_span
-from .unit import Unit, UnitState
+from .unit import ShardedState, Unit, UnitState
 
 
 
@@ -36,8 +36,14 @@ class Schedule:
         # the settings it reads, taken now (the model's options object is the wrapper's alone)
         self.forward_prefetch, self.backward_prefetch = options.forward_prefetch, options.backward_prefetch
         self.mixed_precision = options.mixed_precision
+        self.keep_gathered_across_micro_batches = options.keep_gathered_across_micro_batches
+        self.defer_cross_machine_reduce = options.defer_cross_machine_reduce
         self.units: List[Unit] = []
-        self.sync_grads = True
+        self.sync_grads = True  # False inside the wrapper's no_sync(): a micro-batch before the last of a step
+        # FSDP2's switches for raw loops (the wrapper's set_reshard_after_backward / set_requires_all_reduce)
+        self.reshard_after_backward = True
+        self.requires_all_reduce = True
+        self._kept_for_step: Dict[Unit, None] = {}  # units kept gathered between the micro-batches of a step
         self.in_forward = False
         self.in_backward = False  # from the first backward hook to the end-of-backward callback
         self.recorded_order: Optional[List[Unit]] = None
@@ -163,7 +169,10 @@ class Schedule:
             recorded = self.recorded_order
             # the last unit's backward comes first: keep it, as FSDP2 does
             runs_last = self._order_ok and recorded and len(recorded) > 1 and recorded[-1] is unit
-            if unit.reshard_after_forward and not runs_last and not keep:
+            if self._keeps_gathered_after_forward():
+                self._keep_for_step(unit)  # (its backward and the step's next forwards gather nothing)
+            elif (unit.reshard_after_forward and not runs_last and not keep
+                  and unit.sharded_state is not ShardedState.KEPT):  # (kept: its backward needs no gather)
                 unit.keep_secondary()  # (hpZ: its backward gather stays inside the machine)
                 unit.reshard()
         else:
@@ -264,10 +273,12 @@ class Schedule:
         # unit called twice under reentrant checkpointing, one inner backward per call, each reduced and summed)
         unit.expect("post_backward", UnitState.BACKWARD, UnitState.AWAIT_BACKWARD, UnitState.IDLE,
                     UnitState.BACKWARD_DONE)
-        if self.sync_grads:
+        deferred = self._defers_cross_machine_reduce()
+        if self.sync_grads or deferred:
             grad = flat.unsharded.grad
             flat.unsharded.grad = None
-            self.engine.reduce_grad(flat, grad, unit.name)
+            # (deferred: reduced inside the shard group / machine only, the partial sum kept by the engine)
+            self.engine.reduce_grad(flat, grad, unit.name, deferred=deferred)
         # no_sync: the full gradient stays in flat.unsharded.grad and keeps accumulating
         unit.grads_arrived += 1
         if unit.grads_arrived % unit.trainable == 0:  # (a second call's recomputation gathers it again)
@@ -280,10 +291,44 @@ class Schedule:
 
     def _end_unit_backward(self, unit: Unit) -> None:
         unit.uninstall_views()
+        if self._keeps_gathered_after_backward():
+            self._keep_for_step(unit)
+        elif unit in self._kept_for_step:  # the step's last backward is done with it: freed now
+            del self._kept_for_step[unit]
+            unit.unkeep()
         unit.reshard()
         unit.state = UnitState.BACKWARD_DONE
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_before(unit)
+
+    # ------------------------------------------------------------------ accumulation over slow links
+    def _keeps_gathered_after_forward(self) -> bool:
+        """keep_gathered_across_micro_batches inside no_sync(): FSDP2's reshard_after_forward=False for the step."""
+        return self.keep_gathered_across_micro_batches and not self.sync_grads
+
+    def _keeps_gathered_after_backward(self) -> bool:
+        """FSDP2's set_reshard_after_backward(False), or keep_gathered_across_micro_batches inside no_sync()."""
+        return not self.reshard_after_backward or self._keeps_gathered_after_forward()
+
+    def _defers_cross_machine_reduce(self) -> bool:
+        """This backward reduces only what stays inside the shard group / machine (the engine keeps the partial
+        sum): defer_cross_machine_reduce inside no_sync(), or FSDP2's set_requires_all_reduce(False)."""
+        wanted = (self.defer_cross_machine_reduce and not self.sync_grads) or not self.requires_all_reduce
+        return wanted and self.engine.can_defer_cross_machine
+
+    def _keep_for_step(self, unit: Unit) -> None:
+        """Keep a gathered unit (ShardedState.KEPT) until the step's last backward ends, or until anything writes the
+        shards (an optimizer step, load_state_dict, summon: :meth:`ensure_idle`, :func:`release_kept_after_step`)."""
+        if unit.sharded_state is ShardedState.GATHERED:  # (an embedding skipped by its backward stays sharded)
+            unit.keep()
+            self._kept_for_step[unit] = None
+
+    def release_kept_for_step(self) -> None:
+        """Free the units kept between micro-batches (stale once the shards change): now if idle, else at the end
+        of their backward."""
+        kept, self._kept_for_step = list(self._kept_for_step), {}
+        for unit in kept:
+            unit.unkeep()
 
     def _prefetch_before(self, unit: Unit) -> None:
         """Start gathering the unit that ran just before ``unit`` in forward (next in backward)."""
@@ -302,6 +347,8 @@ class Schedule:
 
     def _reset_after_backward(self) -> None:
         self.engine.phase = "forward"
+        if not self._keeps_gathered_after_backward():
+            self.release_kept_for_step()  # (units whose backward did not run: kept since their forward)
         for unit in self.units:
             unit.finish()
             unit.state = UnitState.IDLE
@@ -342,6 +389,7 @@ class Schedule:
 
     def release(self) -> None:
         """Kept units are freed now if idle, else by the next forward or the end of backward."""
+        self._kept_for_step = {}
         for unit in self.units:
             unit.unkeep()
 
@@ -410,4 +458,11 @@ def refuse_step_during_backward(optimizer: torch.optim.Optimizer, records: List[
                 "unreduced. Run forward and backward again before stepping.")
 
 
-registry.on_step(pre=refuse_step_during_backward)
+def release_kept_after_step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """After every optimizer step (``registry.on_step``): units kept gathered between micro-batches hold the old
+    parameters; free them (the next forward gathers the new ones)."""
+    for record in records:
+        record.schedule.release_kept_for_step()
+
+
+registry.on_step(pre=refuse_step_during_backward, post=release_kept_after_step)

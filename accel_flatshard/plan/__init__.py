@@ -124,7 +124,9 @@ def step_time(planner: Planner, cfg: Config) -> float:
     (forward, and backward again when resharding) and the reduce-scatter (only the last micro-step's
     under no_sync) over the shard group's link, the replicas' all-reduce between nodes, offload's copies
     over PCIe, and a fixed cost per unit and pass; the optimizer step on the host with offload.  Prefetch
-    hides communication behind compute (limit_all_gathers 1: half of it)."""
+    hides communication behind compute (limit_all_gathers 1: half of it).  Under no_sync,
+    ``keep_gathered_across_micro_batches`` gathers once per step (forward), and ``defer_cross_machine_reduce``
+    reduces inside the shard group every micro-step and all-reduces the replicas once."""
     hw, o, W = HARDWARE, cfg.options, planner.world_size
     G, steps, checkpointing = cfg.shard_size(W), planner.batch_size // cfg.micro_batch, o.activation_checkpointing
     size = planner.sizes(G)
@@ -132,11 +134,16 @@ def step_time(planner: Planner, cfg: Config) -> float:
     compute = (6 + 2 * checkpointing) * planner.numel * cfg.micro_batch * planner.tokens / rate
     link = hw["intra_node"] if G <= max(1, W // planner.num_machines) else hw["inter_node"]
     passes = 2 if o.reshard_after_forward else 1
-    gather = passes * size["gathered"] * (G - 1) / G / link
-    reduce = size["full_reduce"] * (G - 1) / G / link + 2 * size["shard_reduce"] * (1 - G / W) / hw["inter_node"]
+    no_sync = cfg.accumulation == "no_sync"
+    gathers = 1 if no_sync and o.keep_gathered_across_micro_batches and steps > 1 else steps * passes  # per step
+    gather = gathers * size["gathered"] * (G - 1) / G / link
+    in_group = size["full_reduce"] * (G - 1) / G / link
+    replicas = 2 * size["shard_reduce"] * (1 - G / W) / hw["inter_node"]
+    deferred = no_sync and o.defer_cross_machine_reduce
+    reduce = steps * in_group + replicas if deferred else (1 if no_sync else steps) * (in_group + replicas)
     copies = (passes + 1) * size["shard"] / hw["pcie"] if o.offload_params else 0
     overlap = (1.0 if o.limit_all_gathers > 1 else 0.5) if o.forward_prefetch or o.backward_prefetch else 0.0
-    comm = steps * (gather + copies) + (1 if cfg.accumulation == "no_sync" else steps) * reduce
+    comm = gather + steps * copies + reduce
     host = 2 * size["trainable_shard"] / hw["host_step"] if o.offload_params else 0  # (AdamW's state: two moments)
     fixed = steps * 3 * len(planner.names) * hw["unit_pass_s"] * (1 + checkpointing / 3)
     return steps * compute + max(0.0, comm - overlap * steps * compute) + host + fixed
@@ -153,7 +160,10 @@ def recommend(planner: Planner, device_memory: int, limit: int = 8) -> List[Tupl
     knobs = itertools.product(groups, (True, False), (True, False), (2, 1), (False, True),
                               (False, True) if planner.device == "cuda" else (False,), batches)
     launched = Config(planner.options)
+    defer, launched_group = planner.options.defer_cross_machine_reduce, launched.shard_size(W)
     tried = [dataclasses.replace(launched.replace(
+        # (deferring needs a reduction across shard groups, or the launch's own hpZ layout)
+        defer_cross_machine_reduce=defer and (g < W or g == launched_group),
         reshard_after_forward=reshard, fsdp_group_size=g if g < W else None, forward_prefetch=prefetch,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch else None, limit_all_gathers=limit,
         activation_checkpointing=ac, offload_params=offload), micro_batch=mb, accumulation=acc)
@@ -180,6 +190,9 @@ def settings(cfg: Config, world_size: int, batch_size: int) -> List[str]:
            f"FLATSHARD_LIMIT_ALL_GATHERS={o.limit_all_gathers}"]
     if 1 < G < world_size:
         out.append(f"FLATSHARD_FSDP_GROUP_SIZE={G}")
+    out += [f"{variable}=1" for variable, on in (
+        ("FLATSHARD_KEEP_GATHERED_ACROSS_MICRO_BATCHES", o.keep_gathered_across_micro_batches),
+        ("FLATSHARD_DEFER_CROSS_MACHINE_REDUCE", o.defer_cross_machine_reduce)) if on]
     steps = batch_size // cfg.micro_batch
     sync = ("GradientAccumulationPlugin(num_steps=..., sync_each_batch=True)" if cfg.accumulation == "sync_each_batch"
             else "accelerate's default no_sync until the last micro-step")

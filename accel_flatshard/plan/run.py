@@ -1,6 +1,8 @@
 """The planner's step (``Planner.predict``), as docs/architecture-details.md section 8 tells it.  This process is rank 0
 (the fullest shard); on ``"cuda"`` the GPU lags arbitrarily: a ``record_stream``'ed block is free once the host
-waited for a later event.  Of the last step, measured, micro-steps after the second repeat the second.
+waited for a later event.  Of the last step, measured, micro-steps after the second repeat the second, except with
+``defer_cross_machine_reduce``: a middle micro-step holds the carried partial sums from its start (and, with
+``keep_gathered_across_micro_batches``, every unit gathered), so three are run.
 """
 from __future__ import annotations
 
@@ -142,7 +144,9 @@ def predict(planner: Any, cfg: Any, curve: bool = False) -> Prediction:  # (a Pl
             foreach = {"foreach": cuda} if "foreach" in inspect.signature(planner.optimizer).parameters else {}
             optimizer = chained or planner.optimizer(list(wrapped.parameters()), lr=1e-4, **foreach)
             with trace:
-                for micro_steps, measured in ((1, None), (min(planner.batch_size // cfg.micro_batch, 2), best)):
+                repeating = 3 if opts.defer_cross_machine_reduce else 2  # (a middle micro-step: the module docstring)
+                for micro_steps, measured in ((1, None), (min(planner.batch_size // cfg.micro_batch, repeating),
+                                                          best)):
                     _step(planner, cfg, wrapped, optimizer, trace, real, micro_steps, measured, curve)
             if environment.get("FLATSHARD_ASYNC_SAVE"):
                 best.snapshot = _snapshot(wrapped, optimizer, "SHARDED" in planner.options.state_dict_type)
