@@ -64,10 +64,10 @@ class Link:
 def parse_link(text: str) -> Link:
     """``--link``: a rate with a unit (``1gbit``, ``400mbit``, ``2.5gbit``) and optionally ``:`` a latency
     (``10gbit:0.2ms``; units s, ms, us)."""
-    rate, _, latency = text.strip().lower().partition(":")
+    rate, colon, latency = text.strip().lower().partition(":")
     rate_match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(tbit|gbit|mbit|kbit)", rate.strip())
-    latency_match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(s|ms|us)", latency.strip()) if latency else None
-    if not rate_match or (latency and not latency_match):
+    latency_match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(s|ms|us)", latency.strip()) if colon else None
+    if not rate_match or (colon and not latency_match):
         raise ValueError(f"--link {text!r}: expected a rate in tbit, gbit, mbit or kbit (per second), optionally "
                          "':' a latency in s, ms or us, e.g. --link 1gbit or --link 10gbit:0.2ms")
     bits = float(rate_match.group(1)) * _RATE_UNITS[rate_match.group(2)]
