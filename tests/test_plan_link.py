@@ -115,7 +115,7 @@ def test_link_forms_and_refusals(capsys):
         with pytest.raises(ValueError, match="--link"):
             parse_link(bad)
         # (refused before the model is built or traced)
-        assert plan_main(["--model", "no.such:model", "--link", bad]) == 1
+        assert plan_main(["--model", "no.such:model", f"--link={bad}"]) == 1
         assert "--link" in capsys.readouterr().err
     assert plan_main(["--model", "no.such:model", "--compute_ms", "100"]) == 1
     assert "--compute_ms" in capsys.readouterr().err

@@ -26,8 +26,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import HARDWARE, Config, Planner, settings
 from .run import Prediction
+
+# (plan/__init__.py's Planner and Config are taken, not imported: the command line imports both modules, and the
+# import chain stays as short as before)
+Planner = Config = Any
 
 # CPU work per byte a rank sends over gloo (TCP: copies and checksums on the rank's own core), in FLOPs of the model's
 # step: comm.py's measurement on this host, 152 MiB sent point-to-point in 99 ms (0.62 ns per byte), at the rank's
@@ -137,22 +140,25 @@ def _quantized_bytes(planner: Planner, cfg: Config, exact: Dict[Tuple[str, str],
     return sum(by_kind(exact, k) for k in cut) * G / max(1, G - 1)
 
 
-def plan_link(planner: Planner, launched: Config, link: Link, compute_s: Optional[float] = None,
+def estimated_compute_s(planner: Planner, launched: Config, flops_per_s: float) -> float:
+    """Without ``--compute_ms``: the reference's step from its FLOPs at ``flops_per_s`` (half precision; fp32 a
+    quarter of it), as ``plan.step_time`` counts compute."""
+    rate = flops_per_s / (4 if (planner.param_dtype or torch.float32) == torch.float32 else 1)
+    return _model_flops(planner, launched) / rate
+
+
+def plan_link(planner: Planner, launched: Config, link: Link, compute_s: float,
               device_memory: Optional[int] = None) -> List[LinkRow]:
     """Every candidate's predicted step under ``link`` (the module's formula), fastest first; ``fits``: its peak
     within ``device_memory`` (None: not checked).  ``compute_s``: the reference's step (FULL_SHARD, exact) with no
-    link limit, else estimated from FLOPs at ``HARDWARE``'s rate."""
+    link limit (:func:`estimated_compute_s` without a measurement)."""
     if planner.num_machines < 2 or planner.world_size % planner.num_machines:
         raise ValueError(f"--link plans the traffic between machines: --num_machines {planner.num_machines} must be "
                          f"2 or more and divide the {planner.world_size} processes")
     micro_steps = planner.batch_size // launched.micro_batch
     N = planner.world_size // planner.num_machines
     rows = candidates(planner, launched)
-    reference = rows[0][1]
-    if compute_s is None:
-        rate = HARDWARE["flops"] / (4 if (planner.param_dtype or torch.float32) == torch.float32 else 1)
-        compute_s = _model_flops(planner, reference) / rate
-    flop_rate = _model_flops(planner, reference) / compute_s
+    flop_rate = _model_flops(planner, rows[0][1]) / compute_s
     gloo = 0.0 if planner.device == "cuda" else GLOO_FLOP_PER_BYTE  # (NCCL moves bytes without the rank's CPU)
     traffic = {name: step_traffic(planner.predict(cfg), micro_steps) for name, cfg in rows}
     sent_ref = sum(traffic[rows[0][0]][0].values())
@@ -194,9 +200,10 @@ def reason(best: LinkRow, rows: List[LinkRow]) -> str:
     return f"{best.name}{lossy}: {why}; predicted {best.step_s:.2f} s per step instead of {other.step_s:.2f} s"
 
 
-def link_report(planner: Planner, launched: Config, link: Link, compute_s: Optional[float],
-                device_memory: Optional[int]) -> Dict[str, Any]:
-    """``report``'s ``link`` section: the candidates, fastest first, and the recommendation with its reason."""
+def link_report(planner: Planner, launched: Config, link: Link, compute_s: float, device_memory: Optional[int],
+                settings: Any) -> Dict[str, Any]:
+    """``report``'s ``link`` section: the candidates, fastest first, and the recommendation with its reason and
+    what to set (``settings``: ``plan.settings``)."""
     rows = plan_link(planner, launched, link, compute_s, device_memory)
     best, W = recommendation(rows), planner.world_size
     out: Dict[str, Any] = {

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..integrations.config import options_from_launch_args
 from ..core.sizes import parse_size
 from ..plan import HARDWARE, Config, Planner, recommend, settings, step_time
-from ..plan.link import link_report, parse_link
+from ..plan.link import estimated_compute_s, link_report, parse_link
 from ..plan.run import PERSISTENT
 from ..plan.trace import copy_model
 from .plan_launch import check_launch_args
@@ -83,7 +83,8 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int], link: Op
                                            "with_checkpointing": (pred if checkpointing else other).saved}}
     out.update({"host_async_save_snapshot_bytes": pred.snapshot} if pred.snapshot else {})
     if link is not None:
-        out["link"] = link_report(planner, cfg, parse_link(link), compute_ms and compute_ms / 1e3, device_memory)
+        compute_s = compute_ms / 1e3 if compute_ms else estimated_compute_s(planner, cfg, HARDWARE["flops"])
+        out["link"] = link_report(planner, cfg, parse_link(link), compute_s, device_memory, settings)
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
