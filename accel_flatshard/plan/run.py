@@ -6,6 +6,7 @@ waited for a later event.  Of the last step, measured, micro-steps after the sec
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -37,6 +38,11 @@ class Prediction:
     snapshot: int = 0  # host memory: an asynchronous save's snapshot (FLATSHARD_ASYNC_SAVE=1)
     # predict(curve=True): after every op of the measured step, (where the step is, bytes held by kind of PARTS)
     curve: List[Tuple[str, Dict[str, int]]] = dataclasses.field(default_factory=list)
+    # per micro-step of the measured step: the bytes this rank sent, by (kind, "intra" | "inter" machine), as the
+    # engine's ShardGroup counts them (``sent``), and how many collectives sent bytes across machines (the link
+    # model's latency term, ``link.py``); machines are blocks of ``options.ranks_per_node`` ranks
+    sent: List[Dict[Tuple[str, str], int]] = dataclasses.field(default_factory=list)
+    crossings: List[int] = dataclasses.field(default_factory=list)
 
 
 class _Gloo(HostAdapter):
@@ -172,7 +178,9 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
             trace.on_op = lambda: best.curve.append(_sample(trace, wrapped))
         saved = wrapped.register_forward_hook(lambda *_: setattr(best, "saved", max(best.saved,
                                                                                      trace.kinds["activations"])))
+    group = wrapped.shard_group
     for i in range(micro_steps):
+        sent_before, crossings_before = collections.Counter(group.sent), _crossings(group)
         quiet = cfg.accumulation == "no_sync" and i < micro_steps - 1
         with wrapped.no_sync() if quiet else contextlib.nullcontext():
             args, kwargs = map_tensors(lambda t: t if trace.is_real(t) else torch.empty_like(t), batch)
@@ -184,13 +192,30 @@ def _step(planner: Any, cfg: Any, wrapped: FullyShardedDataParallel, optimizer: 
             loss = _loss_of(out)
             del out
             loss.backward()
-    trace.kind = "optimizer step"
-    optimizer.step()
-    optimizer.zero_grad()
+        if i == micro_steps - 1:  # (the optimizer step's collectives, if any, count in the last micro-step)
+            trace.kind = "optimizer step"
+            optimizer.step()
+            optimizer.zero_grad()
+        if best is not None:
+            best.sent.append(dict(collections.Counter(group.sent) - sent_before))
+            best.crossings.append(_crossings(group) - crossings_before)
     trace.kind = "activations"
     if best is not None:
         saved.remove()
         trace.on_op = None
+
+
+def _crossings(group: Any) -> int:
+    """Collectives so far that sent bytes across machines: the planner's own count, kept on the group by wrapping its
+    ``_count`` once (the engine itself needs only the bytes)."""
+    if not hasattr(group, "planned_crossings"):
+        count = group._count
+
+        def counting(kind: str, members: Any, per_peer: int) -> None:
+            group.planned_crossings += per_peer > 0 and members.size - 1 - members.on_node > 0
+            count(kind, members, per_peer)
+        group.planned_crossings, group._count = 0, counting
+    return group.planned_crossings
 
 
 def _held(trace: _Trace, wrapped: FullyShardedDataParallel, best: Prediction) -> None:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..integrations.config import options_from_launch_args
 from ..core.sizes import parse_size
 from ..plan import HARDWARE, Config, Planner, recommend, settings, step_time
+from ..plan.link import estimated_compute_s, link_report, parse_link
 from ..plan.run import PERSISTENT
 from ..plan.trace import copy_model
 from .plan_launch import check_launch_args
@@ -64,8 +65,10 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
     return build
 
 
-def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[str, Any]:
-    """What ``accel-flatshard plan`` prints (``--json``: this dictionary)."""
+def report(planner: Planner, cfg: Config, device_memory: Optional[int], link: Optional[str] = None,
+           compute_ms: Optional[float] = None) -> Dict[str, Any]:
+    """What ``accel-flatshard plan`` prints (``--json``: this dictionary; ``link``: ``--link``'s text, its section
+    ``plan/link.py``'s)."""
     pred, W = planner.predict(cfg), planner.world_size
     checkpointing = cfg.options.activation_checkpointing
     other = planner.predict(cfg.replace(activation_checkpointing=not checkpointing))  # (for the comparison)
@@ -79,6 +82,9 @@ def report(planner: Planner, cfg: Config, device_memory: Optional[int]) -> Dict[
         "activations_saved_for_backward": {"without_checkpointing": (other if checkpointing else pred).saved,
                                            "with_checkpointing": (pred if checkpointing else other).saved}}
     out.update({"host_async_save_snapshot_bytes": pred.snapshot} if pred.snapshot else {})
+    if link is not None:
+        compute_s = compute_ms / 1e3 if compute_ms else estimated_compute_s(planner, cfg, HARDWARE["flops"])
+        out["link"] = link_report(planner, cfg, parse_link(link), compute_s, device_memory, settings)
     if device_memory is None:
         return out
     rows = recommend(planner, device_memory)
@@ -115,9 +121,30 @@ def print_report(out: Dict[str, Any]) -> None:
     for i, r in enumerate(out.get("fits", [])):
         print(f"  {'*' if i == 0 else ' '} {r['description']}: {mib(r['peak_bytes'])} MiB, step time "
               f"{r['step_time_s'] / out['fits'][0]['step_time_s']:.2f}x")
+    if "link" in out:
+        print_link(out["link"])
     if out.get("recommended"):
         print("to run the expected fastest (*), set:\n  " + "\n  ".join(out["recommended"]) +
               f"\nstep time: {out['cost_model']}")
+
+
+def print_link(link: Dict[str, Any]) -> None:
+    """``--link``'s section: the candidates, fastest first, and the recommendation with its reason."""
+    print(f"\nover a {link['link']} link between {link['machines']} machines ({link['ranks_per_machine']} "
+          f"ranks each) "
+          f"(FULL_SHARD's compute {link['reference_compute_s']:.3f} s per step), predicted fastest first:\n"
+          f"    {'configuration':<42}{'MB across/step':>15}{'step s':>9}{'peak MiB':>10}")
+    best = link.get("recommended", {}).get("name")
+    for r in link["candidates"]:
+        mark = "*" if r["name"] == best else " "
+        note = ("  (lossy)" if r["lossy"] else "") + ("" if r["fits"] else "  does not fit")
+        print(f"  {mark} {r['name']:<42}{r['across_bytes_per_step'] / 1e6:>15,.1f}{r['step_s']:>9.2f}"
+              f"{r['peak_bytes'] / 2**20:>10,.1f}{note}")
+    if best is None:
+        print("none fits in the device memory")
+        return
+    print(f"recommended: {link['recommended']['reason']}\n  set: " + "; ".join(link["recommended"]["settings"]) +
+          f"\n  model: {link['model']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device_memory", default=None, help="e.g. 80GiB: the configurations that fit, fastest first")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if this host has one")
     p.add_argument("--optimizer", default="AdamW", help="a torch.optim class (default AdamW)")
+    p.add_argument("--link", default=None, metavar="RATE[:LATENCY]", help="the link between machines, e.g. 1gbit "
+                   "or 10gbit:0.2ms (with --num_machines > 1): each sharding strategy's bytes across machines per step "
+                   "and predicted step, exact and int8, and the fastest that fits")
+    p.add_argument("--compute_ms", type=float, default=None, help="with --link: one rank's FULL_SHARD step with no "
+                   "cross-machine limit (measured unshaped or on one machine); default: estimated from FLOPs")
     p.add_argument("--json", action="store_true", help="print the result as JSON (the peak: peak_bytes)")
     p.add_argument("--plot", default=None, metavar="FILE", help="also draw rank 0's memory over the planned step, by "
                    "kind, the peak marked, as a PNG (needs matplotlib: pip install 'accel_flatshard[docs]')")
@@ -183,6 +215,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``accel-flatshard plan`` / ``python -m accel_flatshard.tools.plan_cli``; returns the exit status."""
     args, launch = build_parser().parse_known_args(argv)
     try:
+        if args.link is not None:
+            parse_link(args.link)  # (a bad --link fails before the traces)
+        elif args.compute_ms is not None:
+            raise ValueError("--compute_ms is the compute estimate of --link")
+        if args.compute_ms is not None and args.compute_ms <= 0:
+            raise ValueError(f"--compute_ms {args.compute_ms:g}: must be positive")
         planner, cfg = planned(args, launch)
         memory = parse_size(args.device_memory, "--device_memory") if args.device_memory else None
         if args.measured and not args.plot:
@@ -191,7 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .plan_plot import plot_plan, read_measured
 
             plot_plan(planner, cfg, args.plot, read_measured(args.measured) if args.measured else None)
-        out = report(planner, cfg, memory)
+        out = report(planner, cfg, memory, args.link, args.compute_ms)
     except (ValueError, OSError, ImportError) as exc:
         print(f"accel-flatshard plan: error: {exc}", file=sys.stderr)
         return 1
