@@ -52,6 +52,11 @@ ENGINES = {
     "2x1": "ddp,ddp+fp16,fsdp1,fsdp2,ours,ours+noreshard,ours+int8",
     "2x2": "ddp,ddp+fp16,fsdp2,ours,ours+noreshard,ours+hybrid,ours+hpz,ours+int8,ours+hpz+int8,ours+hybrid+int8",
 }
+# with --accumulate K > 1 (every engine under its no_sync on all but the last micro-batch)
+ACCUMULATE_ENGINES = {
+    "2x1": "ddp,fsdp2,ours,ours+keep",
+    "2x2": "ddp,fsdp2,ours,ours+keep,ours+hybrid,ours+hybrid+keep,ours+hybrid+defer,ours+hpz+keep",
+}
 
 
 # ---------------------------------------------------------------------- inside one machine (a rank)
@@ -200,7 +205,7 @@ def run_topology(link: netlink.EmulatedLink, topology: str, accumulate: int, arg
         os.remove(out)
     port = 29000 + os.getpid() % 1000
     threads = args.threads or max(1, (os.cpu_count() or 1) // (2 * per_machine))
-    engines = args.engines or ENGINES[topology]
+    engines = args.engines or (ENGINES if accumulate == 1 else ACCUMULATE_ENGINES)[topology]
     argv = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps), "--warmup",
             str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq), "--rates",
             ",".join(f"{r:g}" for r in args.rates), "--engines", engines, "--accumulate", str(accumulate),
@@ -266,7 +271,8 @@ def parse_args(argv=None):
     p.add_argument("--rates", default="1,10", help="link rates in Gbit/s (each run also measures unshaped)")
     p.add_argument("--accumulate", default="1", help="micro-batches per optimizer step, a comma list (e.g. 1,4)")
     p.add_argument("--engines", default=None, help="comma list (bench.py names; default per topology: "
-                   + "; ".join(f"{k}: {v}" for k, v in ENGINES.items()) + ")")
+                   + "; ".join(f"{k}: {v}" for k, v in ENGINES.items()) + "; with --accumulate > 1: "
+                   + "; ".join(f"{k}: {v}" for k, v in ACCUMULATE_ENGINES.items()) + ")")
     p.add_argument("--model", default="llama-27M", choices=sorted(MODELS))
     p.add_argument("--tiny", action="store_true", help="the tests' size: tiny model, 2 steps after 1 warmup")
     p.add_argument("--steps", type=int, default=6)

@@ -256,6 +256,10 @@ OPTIONS: Dict[str, Tuple[str, Callable]] = {
     # group per machine, and hpZ (backward gathers inside the machine)
     "hybrid": ("kw", lambda m: {"fsdp_group_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}),
     "hpz": ("kw", lambda m: {"node_local_backward_gather": True}),
+    # accumulation over slow links (with link_bench.py --accumulate K): units gathered once per step, and the
+    # cross-machine stage of the reduction (replica all-reduce / hpZ's second stage) once per step
+    "keep": ("kw", lambda m: {"keep_gathered_across_micro_batches": True}),
+    "defer": ("kw", lambda m: {"defer_cross_machine_reduce": True}),
 }
 
 
