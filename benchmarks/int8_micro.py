@@ -1,5 +1,6 @@
 """Single-process micro-benchmark of the int8 math (core/int8.py) on one core: what one rank's quantize /
-dequantize / sum costs per step at a realistic shard size.  Seconds to run; no collectives.
+dequantize / sum costs per step at a realistic shard size.  Seconds to run; no collectives.  The "step" rows add
+them up for a unit resharded after forward (float32 compute): two gathers and one reduction.
 
     PYTHONPATH=. python benchmarks/int8_micro.py [--numel 13500000] [--block 256] [--world 2] [--repeats 5]
 """
@@ -50,10 +51,16 @@ def main() -> None:
         f"quantize_for_reduction W={world}": lambda: quantize_for_reduction(full_grad, world, block, "bench"),
         f"sum_dequantized W={world}": lambda: sum_dequantized(gathered_q, gathered_scales, block, sum_out),
     }
+    timings = {name: best_ms(fn, args.repeats) for name, fn in rows.items()}
+    quantize, dequantize = timings["quantize shard (fp32)"], timings[f"dequantize W={world} shards -> fp32"]
+    reduction = timings[f"quantize_for_reduction W={world}"] + timings[f"sum_dequantized W={world}"]
+    # one step of a unit resharded after forward: a forward and a backward gather, one reduction
+    timings["step: quantizing again in backward"] = 2 * (quantize + dequantize) + reduction
+    timings["step: backward reuses forward codes"] = quantize + 2 * dequantize + reduction
     print(f"shard {n} elements, block {block} ({shard_blocks(n, block)} blocks), W={world}, 1 thread, "
           f"best of {args.repeats}")
-    for name, fn in rows.items():
-        print(f"  {name:38s} {best_ms(fn, args.repeats):8.1f} ms")
+    for name, ms in timings.items():
+        print(f"  {name:38s} {ms:8.1f} ms")
 
 
 if __name__ == "__main__":
