@@ -72,11 +72,13 @@ SCALE_DTYPE = torch.float32
 # what the bound holds for: float32, and the 16-bit types it holds exactly (float64 would lose bits in the scale)
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # On the CPU every elementwise pass runs over pieces of about this many elements, reusing one float32 scratch
-# buffer (1 MiB) that stays in the core's cache: a temporary of a whole shard (13.5M elements: 54 MB, above
-# glibc's mmap threshold) is mapped and page-faulted in again by every call, and mixed-dtype ops (int8 * float32)
-# make one such temporary of their own.  Measured on one core, 13.5M elements, block 256: quantize 61 -> 9 ms,
-# dequantize into bf16 101 -> 9 ms (benchmarks/int8_micro.py, docs/communication.md).  Same ops, same results.
-PIECE_ELEMENTS = 1 << 18
+# buffer (2 MiB, in the core's L2 / the L3): a temporary of a whole shard (13.5M elements: 54 MB, above glibc's mmap
+# threshold) is mapped and page-faulted in again by every call, and mixed-dtype ops (int8 * float32) make one such
+# temporary of their own.  Smaller pieces cost more in per-op overhead than they gain in cache (one core, 13.5M
+# elements, block 256: quantize 15 ms at 2**16, 11 at 2**18, 9.9 at 2**19; 2**20 pages a 4 MiB scratch in and out
+# again on small shards).  Measured: quantize 64 -> 10 ms, dequantize into bf16 110 -> 8.5 ms (benchmarks/
+# int8_micro.py, docs/communication.md).  Same ops on the same elements: the same results.
+PIECE_ELEMENTS = 1 << 19
 _WHOLE = sys.maxsize  # (a piece limit: the whole tensor at once)
 
 
@@ -197,11 +199,10 @@ def sum_dequantized(received_q: torch.Tensor, received_scales: torch.Tensor, blo
                                      _block_views(out_fp32.view(1, chunk), block)):
         for index in _piece_indices(target.shape, limit):
             piece = target[index]
-            torch.mul(codes[0:1][index], scales[0:1][index].unsqueeze(-1), out=piece)
+            _product(codes[0:1][index], scales[0:1][index], piece)
             for source in range(1, sources):  # (a loop over ranks, not blocks, in rank order)
                 product = scratch.take(piece.shape)
-                torch.mul(codes[source : source + 1][index], scales[source : source + 1][index].unsqueeze(-1),
-                          out=product)
+                _product(codes[source : source + 1][index], scales[source : source + 1][index], product)
                 piece.add_(product)
     return out_fp32
 
@@ -312,8 +313,9 @@ def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torc
     scratch = _Scratch(x2.device)
     for values, codes, divisor in zip(x_parts, q_parts, _scale_views(divisors, n, block)):
         for index in _piece_indices(values.shape, limit):
-            quotient = scratch.take(values[index].shape)  # float32 (also for bf16 / fp16 values)
-            torch.div(values[index], divisor[index].unsqueeze(-1), out=quotient)
+            quotient = scratch.take(values[index].shape)  # float32 (also for bf16 / fp16 values: converted exactly
+            quotient.copy_(values[index])  # first, so that the division makes no mixed-dtype temporary of its own)
+            quotient.div_(divisor[index].unsqueeze(-1))
             codes[index].copy_(quotient.round_().clamp_(-QMAX, QMAX))
 
 
@@ -323,18 +325,31 @@ def _dequantize_rows(q2: torch.Tensor, scales2: torch.Tensor, block: int, out2: 
     if n == 0:
         return
     limit = _piece_limit(q2)
+    if limit == _WHOLE:  # (one kernel: it computes in float32 and rounds into out2's dtype on the fly)
+        for codes, scale, target in zip(_block_views(q2, block), _scale_views(scales2, n, block),
+                                        _block_views(out2, block)):
+            torch.mul(codes, scale.unsqueeze(-1), out=target)
+        return
     # (CPU, another dtype than float32: the float32 product goes through the piece-sized scratch, then is rounded
-    # into out2; on CUDA one kernel computes in float32 and rounds on the fly)
-    direct = out2.dtype == torch.float32 or limit == _WHOLE
+    # into out2)
+    direct = out2.dtype == torch.float32
     scratch = _Scratch(q2.device)
     for codes, scale, target in zip(_block_views(q2, block), _scale_views(scales2, n, block),
                                     _block_views(out2, block)):
         for index in _piece_indices(codes.shape, limit):
             piece = target[index]
             product = piece if direct else scratch.take(piece.shape)
-            torch.mul(codes[index], scale[index].unsqueeze(-1), out=product)
+            _product(codes[index], scale[index], product)
             if not direct:
                 piece.copy_(product)
+
+
+def _product(codes: torch.Tensor, scale: torch.Tensor, out_fp32: torch.Tensor) -> None:
+    """``out_fp32 = codes * scale`` (``[.., blocks, length]`` int8, ``[.., blocks]`` float32) in two same-dtype
+    steps: the codes converted exactly, then multiplied in float32, which is what ``torch.mul`` of int8 and float32
+    computes; on the CPU that mixed-dtype op converts into a temporary of its own, here the output holds it."""
+    out_fp32.copy_(codes)
+    out_fp32.mul_(scale.unsqueeze(-1))
 
 
 def _raise_non_finite(x2: torch.Tensor, scales2: torch.Tensor, block: int, what: str) -> None:
