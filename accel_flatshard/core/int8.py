@@ -199,10 +199,10 @@ def sum_dequantized(received_q: torch.Tensor, received_scales: torch.Tensor, blo
                                      _block_views(out_fp32.view(1, chunk), block)):
         for index in _piece_indices(target.shape, limit):
             piece = target[index]
-            _product(codes[0:1][index], scales[0:1][index], piece)
+            _product(codes[0:1][index], scales[0:1][index], piece, limit)
             for source in range(1, sources):  # (a loop over ranks, not blocks, in rank order)
                 product = scratch.take(piece.shape)
-                _product(codes[source : source + 1][index], scales[source : source + 1][index], product)
+                _product(codes[source : source + 1][index], scales[source : source + 1][index], product, limit)
                 piece.add_(product)
     return out_fp32
 
@@ -297,8 +297,12 @@ def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torc
     x_parts, q_parts = _block_views(x2, block), _block_views(q2, block)
     for values, scale in zip(x_parts, _scale_views(scales2, n, block)):  # (full blocks, the short last one)
         for index in _piece_indices(values.shape, limit):
-            piece = values[index]  # amax and amin: no |x| temporary, both propagate nan (and beat aminmax 9x on CPU)
-            torch.maximum(piece.amax(dim=-1), piece.amin(dim=-1).neg_(), out=scale[index])  # absmax, exact
+            # no |x| temporary; both propagate nan; on the CPU amax and amin over [blocks, 256] beat aminmax 9x, on
+            # other devices aminmax reads the data once
+            piece = values[index]
+            smallest, largest = (piece.amin(dim=-1), piece.amax(dim=-1)) if limit != _WHOLE else torch.aminmax(
+                piece, dim=-1)
+            torch.maximum(largest, smallest.neg_(), out=scale[index])  # the block's absmax (exact in float32)
     scales2.div_(QMAX)
     # the one check: a block's absmax is inf or nan iff it holds one (fake tensors, the planner's: no data to check)
     if not is_fake(scales2) and not bool(torch.isfinite(scales2).all()):
@@ -313,9 +317,12 @@ def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torc
     scratch = _Scratch(x2.device)
     for values, codes, divisor in zip(x_parts, q_parts, _scale_views(divisors, n, block)):
         for index in _piece_indices(values.shape, limit):
-            quotient = scratch.take(values[index].shape)  # float32 (also for bf16 / fp16 values: converted exactly
-            quotient.copy_(values[index])  # first, so that the division makes no mixed-dtype temporary of its own)
-            quotient.div_(divisor[index].unsqueeze(-1))
+            quotient = scratch.take(values[index].shape)  # float32 (also for bf16 / fp16 values)
+            if limit == _WHOLE:  # (one kernel converts on the fly)
+                torch.div(values[index], divisor[index].unsqueeze(-1), out=quotient)
+            else:  # (converted exactly first: the division makes no mixed-dtype temporary of its own)
+                quotient.copy_(values[index])
+                quotient.div_(divisor[index].unsqueeze(-1))
             codes[index].copy_(quotient.round_().clamp_(-QMAX, QMAX))
 
 
@@ -325,31 +332,30 @@ def _dequantize_rows(q2: torch.Tensor, scales2: torch.Tensor, block: int, out2: 
     if n == 0:
         return
     limit = _piece_limit(q2)
-    if limit == _WHOLE:  # (one kernel: it computes in float32 and rounds into out2's dtype on the fly)
-        for codes, scale, target in zip(_block_views(q2, block), _scale_views(scales2, n, block),
-                                        _block_views(out2, block)):
-            torch.mul(codes, scale.unsqueeze(-1), out=target)
-        return
     # (CPU, another dtype than float32: the float32 product goes through the piece-sized scratch, then is rounded
-    # into out2)
-    direct = out2.dtype == torch.float32
+    # into out2; on other devices one kernel computes in float32 and rounds on the fly)
+    direct = out2.dtype == torch.float32 or limit == _WHOLE
     scratch = _Scratch(q2.device)
     for codes, scale, target in zip(_block_views(q2, block), _scale_views(scales2, n, block),
                                     _block_views(out2, block)):
         for index in _piece_indices(codes.shape, limit):
             piece = target[index]
             product = piece if direct else scratch.take(piece.shape)
-            _product(codes[index], scale[index], product)
+            _product(codes[index], scale[index], product, limit)
             if not direct:
                 piece.copy_(product)
 
 
-def _product(codes: torch.Tensor, scale: torch.Tensor, out_fp32: torch.Tensor) -> None:
-    """``out_fp32 = codes * scale`` (``[.., blocks, length]`` int8, ``[.., blocks]`` float32) in two same-dtype
-    steps: the codes converted exactly, then multiplied in float32, which is what ``torch.mul`` of int8 and float32
-    computes; on the CPU that mixed-dtype op converts into a temporary of its own, here the output holds it."""
-    out_fp32.copy_(codes)
-    out_fp32.mul_(scale.unsqueeze(-1))
+def _product(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, limit: int) -> None:
+    """``out = codes * scale`` (``[.., blocks, length]`` int8, ``[.., blocks]`` float32), computed in float32.  In
+    pieces (the CPU; ``out`` float32): two same-dtype steps, the codes converted exactly, then multiplied in float32,
+    which is what ``torch.mul`` of int8 and float32 computes; on the CPU that mixed-dtype op converts into a
+    temporary of its own, here ``out`` holds it.  Else ``torch.mul`` (one kernel converts on the fly)."""
+    if limit == _WHOLE:
+        torch.mul(codes, scale.unsqueeze(-1), out=out)
+        return
+    out.copy_(codes)
+    out.mul_(scale.unsqueeze(-1))
 
 
 def _raise_non_finite(x2: torch.Tensor, scales2: torch.Tensor, block: int, what: str) -> None:
