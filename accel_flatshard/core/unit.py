@@ -121,6 +121,7 @@ class Unit:
         self.unshard()
         self.wait_unshard()
         self.sharded_state = ShardedState.KEPT
+        self.forget_forward_codes()  # (gathered until released: no backward gather of it is coming)
 
     def unkeep(self) -> None:
         """A kept unit is freed now if idle, else by the next forward or the end of backward."""
