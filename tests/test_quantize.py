@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.overrides import TorchFunctionMode
 
+from accel_flatshard.core import int8
 from accel_flatshard.core.flat_param import FlatParamLayout
 from accel_flatshard.core.int8 import (QMAX,
                                        dequantize_blocks,
@@ -224,10 +225,11 @@ class _CountCalls(TorchFunctionMode):
 
 
 def test_the_work_does_not_grow_with_the_number_of_blocks():
-    """Vectorised: the same torch calls for 4 blocks and for 16384 (no Python loop over blocks), and exactly one
-    finiteness reduction a call."""
+    """Vectorised: the same torch calls for 4 blocks and for 16384 (no Python loop over blocks: within one piece of
+    PIECE_ELEMENTS, a call's ops cover all its blocks), and exactly one finiteness reduction a call."""
     counts = []
     for n in (64, 16 * 16384):
+        assert n <= int8.PIECE_ELEMENTS
         x = _randn(n + 3)  # full blocks and a short one
         with _CountCalls() as mode:
             q, scales = quantize_blocks(x, 16, "x")
@@ -235,6 +237,45 @@ def test_the_work_does_not_grow_with_the_number_of_blocks():
         counts.append(mode.calls)
     assert counts[0] == counts[1]
     assert counts[0].count("isfinite") == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pieces_change_no_result(monkeypatch, dtype):
+    """CPU passes run piece by piece (PIECE_ELEMENTS): codes, scales, dequantized values and sums are bitwise those
+    computed on the whole tensor at once, for pieces of parts of a row, of several rows, and of odd sizes."""
+    x = (_randn(3 * 1003, seed=5) * torch.exp(_randn(3 * 1003, seed=6) * 2)).to(dtype)  # (fp16 holds e**8)
+    x[100:400] = 0  # an all-zero block or two
+
+    def everything():
+        q, scales = quantize_blocks(x, 16, "x")
+        rq, rscales = quantize_for_reduction(x, 3, 16, "x")
+        dequantized = [dequantize_blocks(rq, rscales, 16, dtype=d) for d in (torch.float32, torch.bfloat16)]
+        return [q, scales, rq, rscales, *dequantized, sum_dequantized(rq, rscales, 16, torch.empty(1003))]
+
+    monkeypatch.setattr(int8, "PIECE_ELEMENTS", int8._WHOLE)
+    whole = everything()
+    for limit in (1, 7, 64, 1003, 2500):
+        monkeypatch.setattr(int8, "PIECE_ELEMENTS", limit)
+        for expected, got in zip(whole, everything()):
+            assert torch.equal(expected, got), limit
+
+
+def test_the_sum_makes_no_dequantized_copy_of_a_row():
+    """sum_dequantized adds the W sources piece by piece: its scratch is one piece, not a chunk (W=4, 4 pieces)."""
+    rq, rscales = quantize_for_reduction(_randn(4 * 4 * int8.PIECE_ELEMENTS), 4, 256, "x")
+    allocated = []
+
+    class _Allocations(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is torch.empty:
+                allocated.append(result.numel())
+            return result
+
+    out = torch.empty(4 * int8.PIECE_ELEMENTS)
+    with _Allocations():
+        sum_dequantized(rq, rscales, 256, out)
+    assert allocated and max(allocated) <= int8.PIECE_ELEMENTS
 
 
 # ---------------------------------------------------------------------- dequantize

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ._compat import is_fake
 from .options import FlatShardOptions, env_flag
 from .spans import mark_sent
-from .int8 import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
+from .int8 import dequantize_blocks, quantize_for_reduction, sum_dequantized
 from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
 
 
@@ -224,15 +224,15 @@ class ShardGroup:
 
         return waited(Handle([work] if async_op else [], then=copy_out), async_op)
 
-    def all_gather_quantized(self, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], block: int,
-                             what: str, async_op: bool = True, kind: str = "other gather") -> Any:
-        """:meth:`all_gather` of the shards as block-wise int8 with a float32 scale a block (``quantize.py``: each
-        rank quantizes its own shard, so no block straddles two), dequantized into ``outputs`` (their dtype) once
-        it completes.  A non-finite value travels as a nan scale, so that every rank raises the same error, which
-        ``what`` names with the rank that holds it (a rank raising alone would leave the others waiting)."""
+    def all_gather_quantized(self, outputs: Sequence[torch.Tensor], codes: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                             block: int, what: str, async_op: bool = True, kind: str = "other gather") -> Any:
+        """:meth:`all_gather` of the shards as block-wise int8 with a float32 scale a block: ``codes``, one
+        ``(int8, scales)`` a shard (``int8.quantize_blocks``: each rank quantizes its own shard, so no block straddles
+        two), dequantized into ``outputs`` (their dtype) once it completes.  A non-finite value travels as a nan scale
+        (``propagate_non_finite``), so that every rank raises the same error, which ``what`` names with the rank that
+        holds it (a rank raising alone would leave the others waiting)."""
         sends, receives = [], []
-        for shard in shards:
-            q, scales = quantize_blocks(shard, block, what, propagate_non_finite=True)
+        for q, scales in codes:
             sends += [q, scales]
             receives += [q.new_empty(self.shard_size * q.numel()), scales.new_empty(self.shard_size * scales.numel())]
         work = self.all_gather(receives, sends, async_op=async_op, kind=kind)

@@ -30,6 +30,7 @@ from .comm import Collectives
 from .device import ADAPTER, CudaStreams, HostAdapter
 from .flat_param import FlatParameter
 from .handles import Handle, issued, start, wait_for
+from .int8 import quantize_blocks
 from .offload import HostOffload
 from .options import FlatShardOptions
 from .spans import span
@@ -109,11 +110,16 @@ class Engine:
         self._shards_written = False
 
     # ------------------------------------------------------------------ all-gather
-    def unshard(self, flats: Sequence[FlatParameter], label: str = "", secondary: Any = None) -> None:
+    def unshard(self, flats: Sequence[FlatParameter], label: str = "", secondary: Any = None,
+                codes: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+                ) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
         """Start gathering a unit's flat parameters (sharded: its state says so); from its ``secondary`` slices
-        inside the machine when it holds them (:meth:`keep_secondary`)."""
+        inside the machine when it holds them (:meth:`keep_secondary`).  int8 (qwZ): returns the codes it sent (this
+        rank's shards quantized: ``(int8, scales)`` a flat parameter), and sends ``codes`` when given instead of
+        quantizing again: the unit's forward gather's, for its backward's (``unit.py``: the unit drops them whenever
+        the shards may have changed)."""
         if not flats:  # (a unit that owns no parameter: a module whose parameters all belong to inner units)
-            return
+            return None
         if self._shards_written:  # e.g. load_state_dict between forward and backward wrote on the compute stream
             self.begin_step()
         while len(self._gathers) >= self.limit_all_gathers:
@@ -122,6 +128,7 @@ class Engine:
         s.wait_for_freed(self.limit_all_gathers)
         outs, kind, in_node = [f.gather_target for f in flats], f"{self.phase} gather", secondary is not None
         quantized = self.quantized_all_gather and not in_node  # int8 of the master shards, one collective
+        what = f"unit {label} weights"
         with span("all_gather", label):
             with s.on(self.all_gather_stream):
                 for flat in flats:
@@ -131,24 +138,32 @@ class Engine:
                     def master(f: FlatParameter) -> torch.Tensor:
                         return s.to_device(f.local_shard) if self.offload else f.local_shard
 
-                    # (int8: quantized from the masters in the collective; else each copy is dropped once cast)
-                    masters = [master(f) for f in flats] if quantized else None
-                    shards = masters if quantized else [master(f).to(f.compute_dtype) for f in flats]
+                    if quantized and codes is None:  # (a non-finite value travels as a nan scale: comm.py)
+                        codes = [quantize_blocks(master(f), self.quant_block, what, propagate_non_finite=True)
+                                 for f in flats]
+                    # (else each copy is dropped once cast)
+                    shards = None if quantized else [master(f).to(f.compute_dtype) for f in flats]
             if in_node:
                 shards, ready = secondary
                 s.wait_event(self.all_gather_stream, ready)  # (copied on the compute stream after the forward)
             if quantized:
                 handle = s.collective(self.all_gather_stream, lambda async_op: self.group.all_gather_quantized(
-                    outs, masters, self.quant_block, f"unit {label} weights", async_op=async_op, kind=kind),
-                    keep=masters)
+                    outs, codes, self.quant_block, what, async_op=async_op, kind=kind), keep=codes)
                 self._gathers[tuple(flats)] = ([handle], label)
-                return
+                return codes
             # one collective for the unit when its flat parameters share one storage (pack_gathered), else one each
             batches = [(outs, shards)] if flats[0].storage_owner is flats[-1].storage_owner else zip(
                 [[o] for o in outs], [[t] for t in shards])
             handles = [s.collective(self.all_gather_stream, lambda async_op, o=o, t=t: self.group.all_gather(
                 o, t, async_op=async_op, kind=kind, in_node=in_node), keep=t) for o, t in batches]
         self._gathers[tuple(flats)] = (handles, label)  # (in issue order)
+        return None
+
+    @property
+    def reuses_forward_codes(self) -> bool:
+        """Whether a unit keeps its forward gather's int8 codes for its backward gather (qwZ, unless hpZ's backward
+        gather inside the machine, which sends exact slices, replaces that gather)."""
+        return self.quantized_all_gather and not self.node_local
 
     def wait_unshard(self, flats: Sequence[FlatParameter]) -> None:
         """Block (gloo) or make the compute stream wait (CUDA) until ``flats`` are gathered (unless waited for)."""

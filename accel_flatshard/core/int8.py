@@ -51,12 +51,17 @@ inputs are converted to float32 exactly):
   whole block.  The check is one reduction over the scales (the block absmax propagates nan), which on CUDA is
   one device-to-host synchronisation per call.
 
-Cost: one float32 temporary of the input's size (the quotient), the int8 result and the scales; dequantization
-writes into ``out`` in place (any float dtype).
+Cost: the int8 result and the scales; on the CPU the passes run piece by piece (:data:`PIECE_ELEMENTS`) through
+one float32 scratch buffer of a piece, elsewhere one float32 temporary of the input's size (the quotient).
+Dequantization writes into ``out`` in place (any float dtype); :func:`sum_dequantized` adds the sources piece by
+piece, so no dequantized copy of a whole row is made.  Pieces change no result: every element goes through the
+same float32 operations, in the same order, as with the whole tensor at once.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import math
+import sys
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -66,6 +71,15 @@ QMAX = 127  # symmetric int8 code: -127..127
 SCALE_DTYPE = torch.float32
 # what the bound holds for: float32, and the 16-bit types it holds exactly (float64 would lose bits in the scale)
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# On the CPU every elementwise pass runs over pieces of about this many elements, reusing one float32 scratch
+# buffer (2 MiB, in the core's L2 / the L3): a temporary of a whole shard (13.5M elements: 54 MB, above glibc's mmap
+# threshold) is mapped and page-faulted in again by every call, and mixed-dtype ops (int8 * float32) make one such
+# temporary of their own.  Smaller pieces cost more in per-op overhead than they gain in cache (one core, 13.5M
+# elements, block 256: quantize 15 ms at 2**16, 11 at 2**18, 9.9 at 2**19; 2**20 pages a 4 MiB scratch in and out
+# again on small shards).  Measured: quantize 64 -> 10 ms, dequantize into bf16 110 -> 8.5 ms (benchmarks/
+# int8_micro.py, docs/communication.md).  Same ops on the same elements: the same results.
+PIECE_ELEMENTS = 1 << 19
+_WHOLE = sys.maxsize  # (a piece limit: the whole tensor at once)
 
 
 def shard_blocks(shard_numel: int, block: int) -> int:
@@ -165,12 +179,31 @@ def sum_dequantized(received_q: torch.Tensor, received_scales: torch.Tensor, blo
     if out_fp32.dtype != torch.float32:
         raise ValueError(f"sum_dequantized: the sum is kept in float32, got out of {out_fp32.dtype}")
     sources, chunk = received_q.shape
-    dequantize_blocks(received_q[0], received_scales[0], block, out=out_fp32)
-    if sources > 1:
-        source_values = torch.empty(chunk, dtype=torch.float32, device=out_fp32.device)
-        for source in range(1, sources):  # (a loop over ranks, not blocks: W - 1 vectorised adds in rank order)
-            dequantize_blocks(received_q[source], received_scales[source], block, out=source_values)
-            out_fp32.add_(source_values)
+    if sources == 1:
+        return dequantize_blocks(received_q[0], received_scales[0], block, out=out_fp32)
+    _check_block(block)
+    if (received_q.dtype != torch.int8 or received_scales.dtype != SCALE_DTYPE
+            or received_scales.shape[1] != shard_blocks(chunk, block)):
+        raise ValueError(f"sum_dequantized: expected int8 and {shard_blocks(chunk, block)} float32 scales a row in "
+                         f"blocks of {block}, got {received_q.dtype} and {received_scales.dtype} "
+                         f"{tuple(received_scales.shape)}")
+    if out_fp32.numel() != chunk or not out_fp32.is_contiguous():
+        raise ValueError(f"sum_dequantized: out must be a contiguous float32 tensor of {chunk} elements, got shape "
+                         f"{tuple(out_fp32.shape)}")
+    if chunk == 0:
+        return out_fp32
+    # Piece by piece of the output, every source in rank order: the same float32 products and additions as
+    # dequantizing each row whole and adding it, without W - 1 dequantized copies of the chunk.
+    scratch, limit = _Scratch(out_fp32.device), _piece_limit(received_q)
+    for codes, scales, target in zip(_block_views(received_q, block), _scale_views(received_scales, chunk, block),
+                                     _block_views(out_fp32.view(1, chunk), block)):
+        for index in _piece_indices(target.shape, limit):
+            piece = target[index]
+            _product(codes[0:1][index], scales[0:1][index], piece, limit)
+            for source in range(1, sources):  # (a loop over ranks, not blocks, in rank order)
+                product = scratch.take(piece.shape)
+                _product(codes[source : source + 1][index], scales[source : source + 1][index], product, limit)
+                piece.add_(product)
     return out_fp32
 
 
@@ -216,17 +249,60 @@ def _scale_views(scales_2d: torch.Tensor, n: int, block: int) -> List[torch.Tens
             if present]
 
 
+def _piece_limit(t: torch.Tensor) -> int:
+    """Elements per piece of the elementwise passes over ``t``: :data:`PIECE_ELEMENTS` on the CPU; on other devices
+    (one kernel a pass is best) and for fake tensors (no data), the whole tensor."""
+    return PIECE_ELEMENTS if t.device.type == "cpu" and not is_fake(t) else _WHOLE
+
+
+def _piece_indices(shape: torch.Size, limit: int) -> Iterator[Tuple[slice, slice]]:
+    """Indexes ``(rows, blocks)`` cutting a ``[R, blocks, length]`` view into pieces of whole blocks of about
+    ``limit`` elements (at least one block): several rows a piece when rows are short, else parts of one row."""
+    rows, blocks, length = shape
+    if rows * blocks * length <= limit:
+        yield slice(None), slice(None)
+        return
+    row_elements = blocks * length
+    if row_elements >= limit:
+        step = max(1, limit // length)
+        for row in range(rows):
+            for first in range(0, blocks, step):
+                yield slice(row, row + 1), slice(first, first + step)
+    else:
+        step = limit // row_elements
+        for first in range(0, rows, step):
+            yield slice(first, first + step), slice(None)
+
+
+class _Scratch:
+    """One float32 buffer reused by every piece of a call (grown to the largest piece)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.buffer = device, None
+
+    def take(self, shape: torch.Size) -> torch.Tensor:
+        numel = math.prod(shape)
+        if self.buffer is None or self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self.buffer[:numel].view(shape)
+
+
 def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torch.Tensor, what: str,
                    propagate_non_finite: bool = False) -> None:
     """Quantize each row of ``x2`` ([R, n]) on its own into ``q2`` ([R, n] int8) and ``scales2`` ([R, nb])."""
     n = x2.shape[1]
     if n == 0:
         return
+    limit = _piece_limit(x2)
     x_parts, q_parts = _block_views(x2, block), _block_views(q2, block)
-    scale_parts = _scale_views(scales2, n, block)
-    for values, scale in zip(x_parts, scale_parts):  # (at most two parts: full blocks, the short last one)
-        smallest, largest = torch.aminmax(values, dim=-1)  # no |x| temporary; both propagate nan
-        scale.copy_(torch.maximum(largest, smallest.neg()))  # the block's absmax (exact in float32)
+    for values, scale in zip(x_parts, _scale_views(scales2, n, block)):  # (full blocks, the short last one)
+        for index in _piece_indices(values.shape, limit):
+            # no |x| temporary; both propagate nan; on the CPU amax and amin over [blocks, 256] beat aminmax 9x, on
+            # other devices aminmax reads the data once
+            piece = values[index]
+            smallest, largest = (piece.amin(dim=-1), piece.amax(dim=-1)) if limit != _WHOLE else torch.aminmax(
+                piece, dim=-1)
+            torch.maximum(largest, smallest.neg_(), out=scale[index])  # the block's absmax (exact in float32)
     scales2.div_(QMAX)
     # the one check: a block's absmax is inf or nan iff it holds one (fake tensors, the planner's: no data to check)
     if not is_fake(scales2) and not bool(torch.isfinite(scales2).all()):
@@ -238,9 +314,16 @@ def _quantize_rows(x2: torch.Tensor, block: int, q2: torch.Tensor, scales2: torc
     scales2.copy_(torch.where(overflows, torch.nextafter(scales2, torch.zeros_like(scales2)), scales2))
     # Zero scale (an all-zero block, or a subnormal one whose scale underflows): divide by 1, so q = round(x) = 0.
     divisors = torch.where(scales2 > 0, scales2, torch.ones_like(scales2))
+    scratch = _Scratch(x2.device)
     for values, codes, divisor in zip(x_parts, q_parts, _scale_views(divisors, n, block)):
-        quotient = torch.div(values, divisor.unsqueeze(-1))  # float32 (also for bf16 / fp16 values)
-        codes.copy_(quotient.round_().clamp_(-QMAX, QMAX))
+        for index in _piece_indices(values.shape, limit):
+            quotient = scratch.take(values[index].shape)  # float32 (also for bf16 / fp16 values)
+            if limit == _WHOLE:  # (one kernel converts on the fly)
+                torch.div(values[index], divisor[index].unsqueeze(-1), out=quotient)
+            else:  # (converted exactly first: the division makes no mixed-dtype temporary of its own)
+                quotient.copy_(values[index])
+                quotient.div_(divisor[index].unsqueeze(-1))
+            codes[index].copy_(quotient.round_().clamp_(-QMAX, QMAX))
 
 
 def _dequantize_rows(q2: torch.Tensor, scales2: torch.Tensor, block: int, out2: torch.Tensor) -> None:
@@ -248,9 +331,31 @@ def _dequantize_rows(q2: torch.Tensor, scales2: torch.Tensor, block: int, out2: 
     n = q2.shape[1]
     if n == 0:
         return
+    limit = _piece_limit(q2)
+    # (CPU, another dtype than float32: the float32 product goes through the piece-sized scratch, then is rounded
+    # into out2; on other devices one kernel computes in float32 and rounds on the fly)
+    direct = out2.dtype == torch.float32 or limit == _WHOLE
+    scratch = _Scratch(q2.device)
     for codes, scale, target in zip(_block_views(q2, block), _scale_views(scales2, n, block),
                                     _block_views(out2, block)):
-        torch.mul(codes, scale.unsqueeze(-1), out=target)
+        for index in _piece_indices(codes.shape, limit):
+            piece = target[index]
+            product = piece if direct else scratch.take(piece.shape)
+            _product(codes[index], scale[index], product, limit)
+            if not direct:
+                piece.copy_(product)
+
+
+def _product(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, limit: int) -> None:
+    """``out = codes * scale`` (``[.., blocks, length]`` int8, ``[.., blocks]`` float32), computed in float32.  In
+    pieces (the CPU; ``out`` float32): two same-dtype steps, the codes converted exactly, then multiplied in float32,
+    which is what ``torch.mul`` of int8 and float32 computes; on the CPU that mixed-dtype op converts into a
+    temporary of its own, here ``out`` holds it.  Else ``torch.mul`` (one kernel converts on the fly)."""
+    if limit == _WHOLE:
+        torch.mul(codes, scale.unsqueeze(-1), out=out)
+        return
+    out.copy_(codes)
+    out.mul_(scale.unsqueeze(-1))
 
 
 def _raise_non_finite(x2: torch.Tensor, scales2: torch.Tensor, block: int, what: str) -> None:

@@ -121,7 +121,9 @@ class FlatShardOptions:
     quantized_all_gather: bool = _setting(
         False, "qwZ (ZeRO++): weights all-gathered as block-wise int8 with a float32 scale a block, dequantized into "
         "the compute dtype (lossy: docs/communication.md); the master shards and the optimizer never see quantized "
-        "values", env="FLATSHARD_QUANTIZED_ALL_GATHER", kind=BOOL)
+        "values.  A unit resharded after forward keeps its forward's int8 codes for its backward gather (not "
+        "quantized twice): about 1/4 of its shard's bytes per unit from its forward to its backward",
+        env="FLATSHARD_QUANTIZED_ALL_GATHER", kind=BOOL)
     quantized_reduce: bool = _setting(
         False, "qgZ (ZeRO++): gradients reduced through one all-to-all of block-wise int8, summed in float32 (lossy: "
         "docs/communication.md); the replica all-reduce of hybrid sharding stays exact",

@@ -118,6 +118,7 @@ class Schedule:
             # units gathered since an earlier forward (root, last unit) may be stale if the shards were written
             # since (summon, load_state_dict) without a backward: freed (that forward's backward regathers them)
             unit.release()
+            unit.forget_forward_codes()  # (an earlier forward's, whose backward never ran: the shards may differ now)
             for flat in unit.flat_params:
                 flat.check_params_are_shard_views()
                 flat.release_grad_if_unused()
@@ -175,8 +176,11 @@ class Schedule:
                   and unit.sharded_state is not ShardedState.KEPT):  # (kept: its backward needs no gather)
                 unit.keep_secondary()  # (hpZ: its backward gather stays inside the machine)
                 unit.reshard()
+            else:
+                unit.forget_forward_codes()  # gathered until its backward: no backward gather sends them
         else:
             unit.state = UnitState.IDLE
+            unit.forget_forward_codes()
             if not unit.is_root and not keep:
                 unit.reshard()
         if unit.is_root:
@@ -377,6 +381,7 @@ class Schedule:
         self.release()
         for unit in self.units:
             unit.secondary = None  # (hpZ's slices of the shards as they were: a write makes them stale)
+            unit.forget_forward_codes()  # (qwZ's codes of the shards as they were: likewise)
         self.engine.drain()
 
     def keep(self, units: List[Unit]) -> None:
@@ -465,4 +470,14 @@ def release_kept_after_step(optimizer: torch.optim.Optimizer, records: List[Any]
         record.schedule.release_kept_for_step()
 
 
+def forget_forward_codes_before_step(optimizer: torch.optim.Optimizer, records: List[Any]) -> None:
+    """Before every optimizer step (``registry.on_step``): the step writes the shards, so int8 codes kept from a
+    forward for its backward (``unit.forward_codes``) are stale: a backward after the step quantizes the new ones, as
+    the exact path gathers them (a forward, a step, then its backward)."""
+    for record in records:
+        for unit in record.schedule.units:
+            unit.forget_forward_codes()
+
+
 registry.on_step(pre=refuse_step_during_backward, post=release_kept_after_step)
+registry.on_step(pre=forget_forward_codes_before_step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any, List
 
+import torch
 import torch.nn as nn
 
 from .flat_param import FlatParameter
@@ -58,6 +59,10 @@ class Unit:
         self.open_backward_uses = 0  # calls whose backward started and (frozen units) has not ended
         self.forward_span: Any = None  # the open flatshard::forward[name] profiler span, if a profiler runs
         self.secondary: Any = None  # hpZ: this rank's slices kept after forward for a gather inside the machine
+        # qwZ: this rank's shards as int8 codes and scales, quantized for the forward's gather and sent again by the
+        # backward's (the masters are the same in between): held from a grad-mode forward gather of a unit resharded
+        # after forward to its backward gather, dropped wherever the shards may change (forget_forward_codes)
+        self.forward_codes: Any = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {len(self.flat_params)} flat params, {self.state.name}, {self.sharded_state.name})"
@@ -74,8 +79,17 @@ class Unit:
     def unshard(self) -> None:
         """Start gathering (nothing to do once gathering or gathered)."""
         if self.sharded_state is ShardedState.SHARDED:
-            self.engine.unshard(self.flat_params, self.name, self.secondary)
+            codes, self.forward_codes = self.forward_codes, None  # (sent once: a second gather quantizes again)
+            sent = self.engine.unshard(self.flat_params, self.name, self.secondary, codes)
             self.sharded_state = ShardedState.GATHERING
+            if (sent is not None and self.engine.phase == "forward" and torch.is_grad_enabled()
+                    and self.reshard_after_forward and self.gathers_for_backward and self.engine.reuses_forward_codes):
+                self.forward_codes = sent  # (a backward gather follows: _post_forward drops them if it does not)
+
+    def forget_forward_codes(self) -> None:
+        """Drop the kept int8 codes: the shards may change (an optimizer step, a state-dict load, a summon's
+        writeback), or no backward gather of this forward will send them."""
+        self.forward_codes = None
 
     def wait_unshard(self) -> None:
         if self.sharded_state is ShardedState.GATHERING:
@@ -107,6 +121,7 @@ class Unit:
         self.unshard()
         self.wait_unshard()
         self.sharded_state = ShardedState.KEPT
+        self.forget_forward_codes()  # (gathered until released: no backward gather of it is coming)
 
     def unkeep(self) -> None:
         """A kept unit is freed now if idle, else by the next forward or the end of backward."""
@@ -139,3 +154,4 @@ class Unit:
         self.grads_arrived = 0
         self.open_backward_uses = 0
         self.secondary = None
+        self.forget_forward_codes()
