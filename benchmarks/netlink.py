@@ -1,7 +1,7 @@
 """Two emulated machines joined by a shaped link: network namespaces, one veth pair (or a tun relay), ``tc``.
 
     with EmulatedLink() as link:                    # refuses (LinkUnavailable) unless root with ip + tc + netns
-        link.shape(rate_gbit=1)                     # both directions: tbf rate (+ netem delay / loss, if the kernel has it)
+        link.shape(rate_gbit=1)                     # both directions: tbf rate (+ netem delay / loss if present)
         procs = [link.popen(i, [sys.executable, "train.py"], env=link.machine_env(i)) for i in (0, 1)]
         link.outage(True); ...; link.outage(False)  # every packet dropped (a pfifo of limit 0), then restored
     with EmulatedLink(wire="relay", loss_pct=1.0, delay_ms=5):  # loss and delay without netem (tun_relay.py)
