@@ -62,6 +62,8 @@ class Members(NamedTuple):
     size: int
     rank: int
     on_node: int
+    # bound of each point-to-point wait (gloo only: there a wait without one never ends, whatever the group's timeout)
+    p2p_timeout: Optional[datetime.timedelta] = None
 
 
 # A gloo worker thread drops a finished collective's tensors a moment after ``wait()`` returns.  If the script ends in
@@ -110,6 +112,7 @@ class ShardGroup:
         self.backend = str(dist.get_backend(self.world_group))
         self.uses_nccl, self.uses_gloo = "nccl" in self.backend, "gloo" in self.backend
         _let_gloo_finish_at_exit()
+        _apply_timeout_to_world(self.world_group, options.timeout_s)
         if shard_size is None or shard_size == self.world_size:
             self.shard_group, self.replica_group, self.shard_size = self.world_group, None, self.world_size
         else:
@@ -128,9 +131,15 @@ class ShardGroup:
                 [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)], timeout)
             self.replica_group = _subgroup_containing(
                 [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
+        # gloo's point-to-point waits ignore the group's timeout (torch 2.13: a recv from a peer behind a dead link
+        # waits forever), so the exchanges bound each wait by timeout_s themselves; NCCL's are left as they are (a
+        # bounded wait there would block the host until the kernel ends)
+        self.p2p_timeout = (datetime.timedelta(seconds=options.timeout_s) if self.uses_gloo and not self.uses_nccl
+                            else None)
         self.shard_rank = dist.get_rank(self.shard_group)
         self.ranks_per_node = options.ranks_per_node or self.world_size  # (None: every rank on one machine)
         self.shard = self._members(self.shard_group)
+        self.peers = self._peers_by_machine()
         self.replicas = self._members(self.replica_group) if self.replica_group is not None else None
         self.node, self.column = (self._node_groups(options) if options.node_local_backward_gather
                                   else (None, None))
@@ -151,7 +160,21 @@ class ShardGroup:
                  else dist.get_process_group_ranks(group))
         node = self.world_rank // self.ranks_per_node
         on_node = sum(r // self.ranks_per_node == node for r in ranks) - 1
-        return Members(group, len(ranks), dist.get_rank(group), on_node)
+        return Members(group, len(ranks), dist.get_rank(group), on_node, self.p2p_timeout)
+
+    def _peers_by_machine(self) -> str:
+        """The ranks this rank's collectives wait for, by machine (``ranks_per_node`` consecutive global ranks), for
+        the error when one fails: a link fault or a dead host shows as the machine whose ranks stopped answering."""
+        me = dist.get_rank()
+        groups = [g for g in (self.shard_group, self.replica_group) if g is not None]
+        peers = sorted({r for g in groups for r in (range(dist.get_world_size()) if g is dist.group.WORLD
+                                                      else dist.get_process_group_ranks(g))} - {me})
+        machines: dict = {}
+        for rank in peers:
+            machines.setdefault(rank // self.ranks_per_node, []).append(rank)
+        where = "; ".join(f"machine {m}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for m, r in
+                          machines.items())
+        return f"this rank is on machine {me // self.ranks_per_node}; its peers: {where or 'none'}"
 
     def _node_groups(self, options: FlatShardOptions) -> Tuple[Optional[Members], Optional[Members]]:
         """The shard group's members on this rank's machine (the node group: backward gathers and the first half of a
@@ -169,7 +192,8 @@ class ShardGroup:
                   for k in range(machines)]
         columns = [[s + k * n + i for k in range(machines)] for s in range(0, self.world_size, g) for i in range(n)]
         node, column = _subgroup_containing(blocks, timeout), _subgroup_containing(columns, timeout)
-        return Members(node, n, dist.get_rank(node), n - 1), Members(column, machines, dist.get_rank(column), 0)
+        return (Members(node, n, dist.get_rank(node), n - 1, self.p2p_timeout),
+                Members(column, machines, dist.get_rank(column), 0, self.p2p_timeout))
 
     def _count(self, kind: str, members: Members, per_peer: int) -> None:
         """What this rank sends to each other member, split by machine (and marked for a running profiler)."""
@@ -355,7 +379,7 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
             if peer != members.rank:
                 ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
-    return Handle(dist.batch_isend_irecv(ops))
+    return Handle(_exchange(ops, members))
 
 
 def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> Handle:
@@ -382,7 +406,7 @@ def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls
             for part in parts[2:]:
                 output.add_(part)
 
-    return Handle(dist.batch_isend_irecv(ops) if ops else [], then=sum_into_outputs)
+    return Handle(_exchange(ops, members) if ops else [], then=sum_into_outputs)
 
 
 def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
@@ -396,13 +420,43 @@ def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inp
         if peer != members.rank:
             ops += [dist.P2POp(dist.isend, t, group=members.group, group_peer=peer, tag=3) for t in inputs[peer]]
             ops += [dist.P2POp(dist.irecv, t, group=members.group, group_peer=peer, tag=3) for t in outputs[peer]]
-    return waited(Handle(dist.batch_isend_irecv(ops) if ops else []), async_op)
+    return waited(Handle(_exchange(ops, members) if ops else []), async_op)
+
+
+class _BoundedWait:
+    """A point-to-point work whose ``wait()`` raises after ``timeout`` instead of waiting for ever."""
+
+    __slots__ = ("work", "timeout")
+
+    def __init__(self, work: Any, timeout: datetime.timedelta) -> None:
+        self.work, self.timeout = work, timeout
+
+    def wait(self) -> bool:
+        return self.work.wait(self.timeout)
+
+
+def _exchange(ops: List[Any], members: Members) -> List[Any]:
+    """``dist.batch_isend_irecv(ops)``, each work's wait bounded by ``members.p2p_timeout`` (if any)."""
+    works = dist.batch_isend_irecv(ops)
+    return works if members.p2p_timeout is None else [_BoundedWait(w, members.p2p_timeout) for w in works]
 
 
 def _spans_the_world(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is the default group or one holding every rank in rank order (as haiscale's examples
     build it), so that its rank i is global rank i."""
     return group is dist.group.WORLD or dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
+
+
+def _apply_timeout_to_world(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """A ``timeout_s`` set by the user (``FLATSHARD_TIMEOUT_S``) bounds the engine's collectives on ``group`` too,
+    the launcher's default group when sharding over every rank, whose own timeout (accelerate's and torch's
+    default: 30 minutes) would let a rank whose peer's machine went off the network wait that long.  Left alone at
+    the default, so a timeout given to ``init_process_group`` (``InitProcessGroupKwargs``) stays."""
+    if timeout_s == FlatShardOptions.__dataclass_fields__["timeout_s"].default:
+        return
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
+    if set_timeout is not None:
+        set_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:

@@ -100,7 +100,8 @@ def waited(handle: Handle, async_op: bool) -> Handle:
 
 def wait_for(handle: Any, what: str, group: Any) -> None:
     """Wait for ``handle``; if its collective fails (a peer died, the timeout expired) say which one it was (``what``,
-    on ``group``: its ``world_rank``, ``world_size``, ``shard_size``)."""
+    on ``group``: its ``world_rank``, ``world_size``, ``shard_size`` and ``peers``, the ranks it waits for by
+    machine)."""
     try:
         handle.wait()
     except ValueError:  # (the data, not the collective: a non-finite weight under quantized_all_gather)
@@ -108,6 +109,7 @@ def wait_for(handle: Any, what: str, group: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise RuntimeError(
             f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} "
-            f"(shard group size {group.shard_size}). A peer rank probably died or stopped participating, "
-            f"or the process-group timeout expired. Original error: {exc}"
+            f"(shard group size {group.shard_size}; {getattr(group, 'peers', 'peers unknown')}). A peer rank "
+            f"probably died or stopped participating, its machine went off the network, or the process-group "
+            f"timeout (FLATSHARD_TIMEOUT_S) expired. Original error: {exc}"
         ) from exc
