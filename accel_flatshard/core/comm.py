@@ -25,7 +25,7 @@ from ._compat import is_fake
 from .options import FlatShardOptions, env_flag
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_blocks, quantize_for_reduction, sum_dequantized
-from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
+from .handles import DONE, Handle, bounded, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
 
 
 @runtime_checkable
@@ -62,7 +62,6 @@ class Members(NamedTuple):
     size: int
     rank: int
     on_node: int
-    # bound of each point-to-point wait (gloo only: there a wait without one never ends, whatever the group's timeout)
     p2p_timeout: Optional[datetime.timedelta] = None
 
 
@@ -112,7 +111,10 @@ class ShardGroup:
         self.backend = str(dist.get_backend(self.world_group))
         self.uses_nccl, self.uses_gloo = "nccl" in self.backend, "gloo" in self.backend
         _let_gloo_finish_at_exit()
-        _apply_timeout_to_world(self.world_group, options.timeout_s)
+        if options.timeout_s != FlatShardOptions.__dataclass_fields__["timeout_s"].default:
+            # set by the user: it bounds the engine's collectives on the launcher's group too (sharding over every
+            # rank), whose own timeout (30 min by default) would keep a rank cut off from its peers that long
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=options.timeout_s), self.world_group)
         if shard_size is None or shard_size == self.world_size:
             self.shard_group, self.replica_group, self.shard_size = self.world_group, None, self.world_size
         else:
@@ -131,9 +133,8 @@ class ShardGroup:
                 [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)], timeout)
             self.replica_group = _subgroup_containing(
                 [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
-        # gloo's point-to-point waits ignore the group's timeout (torch 2.13: a recv from a peer behind a dead link
-        # waits forever), so the exchanges bound each wait by timeout_s themselves; NCCL's are left as they are (a
-        # bounded wait there would block the host until the kernel ends)
+        # gloo's point-to-point waits ignore the group's timeout (a recv from a peer behind a dead link never ends):
+        # bounded here by timeout_s; NCCL's are not (a bounded wait there blocks the host until the kernel ends)
         self.p2p_timeout = (datetime.timedelta(seconds=options.timeout_s) if self.uses_gloo and not self.uses_nccl
                             else None)
         self.shard_rank = dist.get_rank(self.shard_group)
@@ -163,17 +164,12 @@ class ShardGroup:
         return Members(group, len(ranks), dist.get_rank(group), on_node, self.p2p_timeout)
 
     def _peers_by_machine(self) -> str:
-        """The ranks this rank's collectives wait for, by machine (``ranks_per_node`` consecutive global ranks), for
-        the error when one fails: a link fault or a dead host shows as the machine whose ranks stopped answering."""
-        me = dist.get_rank()
-        groups = [g for g in (self.shard_group, self.replica_group) if g is not None]
-        peers = sorted({r for g in groups for r in (range(dist.get_world_size()) if g is dist.group.WORLD
-                                                      else dist.get_process_group_ranks(g))} - {me})
+        """The ranks this rank's collectives wait for, by machine, for the error when one fails."""
+        me, groups = dist.get_rank(), [g for g in (self.shard_group, self.replica_group) if g is not None]
         machines: dict = {}
-        for rank in peers:
-            machines.setdefault(rank // self.ranks_per_node, []).append(rank)
-        where = "; ".join(f"machine {m}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for m, r in
-                          machines.items())
+        for rank in sorted({r for g in groups for r in dist.get_process_group_ranks(g)} - {me}):
+            machines.setdefault(rank // self.ranks_per_node, []).append(str(rank))
+        where = "; ".join(f"machine {m}: rank{'s' * (len(r) > 1)} {', '.join(r)}" for m, r in machines.items())
         return f"this rank is on machine {me // self.ranks_per_node}; its peers: {where or 'none'}"
 
     def _node_groups(self, options: FlatShardOptions) -> Tuple[Optional[Members], Optional[Members]]:
@@ -423,40 +419,16 @@ def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inp
     return waited(Handle(_exchange(ops, members) if ops else []), async_op)
 
 
-class _BoundedWait:
-    """A point-to-point work whose ``wait()`` raises after ``timeout`` instead of waiting for ever."""
-
-    __slots__ = ("work", "timeout")
-
-    def __init__(self, work: Any, timeout: datetime.timedelta) -> None:
-        self.work, self.timeout = work, timeout
-
-    def wait(self) -> bool:
-        return self.work.wait(self.timeout)
-
-
 def _exchange(ops: List[Any], members: Members) -> List[Any]:
     """``dist.batch_isend_irecv(ops)``, each work's wait bounded by ``members.p2p_timeout`` (if any)."""
     works = dist.batch_isend_irecv(ops)
-    return works if members.p2p_timeout is None else [_BoundedWait(w, members.p2p_timeout) for w in works]
+    return works if members.p2p_timeout is None else [bounded(w, members.p2p_timeout) for w in works]
 
 
 def _spans_the_world(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is the default group or one holding every rank in rank order (as haiscale's examples
     build it), so that its rank i is global rank i."""
     return group is dist.group.WORLD or dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
-
-
-def _apply_timeout_to_world(group: dist.ProcessGroup, timeout_s: float) -> None:
-    """A ``timeout_s`` set by the user (``FLATSHARD_TIMEOUT_S``) bounds the engine's collectives on ``group`` too,
-    the launcher's default group when sharding over every rank, whose own timeout (accelerate's and torch's
-    default: 30 minutes) would let a rank whose peer's machine went off the network wait that long.  Left alone at
-    the default, so a timeout given to ``init_process_group`` (``InitProcessGroupKwargs``) stays."""
-    if timeout_s == FlatShardOptions.__dataclass_fields__["timeout_s"].default:
-        return
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.3)
-    if set_timeout is not None:
-        set_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def _subgroup_containing(rank_lists: List[List[int]], timeout: datetime.timedelta) -> dist.ProcessGroup:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["DONE", "Handle", "followed_by", "issued", "start", "wait_for", "waited"]
+__all__ = ["DONE", "Handle", "bounded", "followed_by", "issued", "start", "wait_for", "waited"]
 
 
 class Handle:
@@ -96,6 +96,18 @@ def waited(handle: Handle, async_op: bool) -> Handle:
     if not async_op:
         handle.wait()
     return handle
+
+
+class bounded:
+    """``work`` (a torch work handle) whose ``wait()`` raises once ``timeout`` (a ``timedelta``) has passed."""
+
+    __slots__ = ("work", "timeout")
+
+    def __init__(self, work: Any, timeout: Any) -> None:
+        self.work, self.timeout = work, timeout
+
+    def wait(self) -> bool:
+        return self.work.wait(self.timeout)
 
 
 def wait_for(handle: Any, what: str, group: Any) -> None:
