@@ -123,6 +123,7 @@ class EmulatedLink:
         self.relays: List[subprocess.Popen] = []
         self._controls: List[socket.socket] = []
         self._initial_faults = (loss_pct, delay_ms)
+        self._down = False
 
     # ------------------------------------------------------------------ set up and tear down
     def __enter__(self) -> "EmulatedLink":
@@ -229,22 +230,36 @@ class EmulatedLink:
         for control in self._controls:
             self._answer(control)
 
-    def _answer(self, control: socket.socket) -> None:
+    def _answer(self, control: socket.socket) -> List[int]:
+        """A relay's answer ``ok <dropped> <sent>``: its packet counts."""
         control.settimeout(30)
+        answer = b""
         try:
-            answer = control.recv(3)
+            while not answer.endswith(b"\n"):
+                chunk = control.recv(64)
+                if not chunk:
+                    break
+                answer += chunk
         except socket.timeout:
-            answer = b""
-        if answer != b"ok\n":
+            pass
+        if not answer.startswith(b"ok "):
             codes = [r.poll() for r in self.relays]
             raise RuntimeError(f"a tun relay did not answer (exit codes {codes}): see its stderr above")
+        return [int(n) for n in answer.split()[1:]]
 
-    def _tell_relays(self, loss_pct: float, delay_ms: float, down: bool) -> None:
-        """Set the relays' faults; returns once both apply them."""
+    def _tell_relays(self, loss_pct: float, delay_ms: float, down: bool) -> List[List[int]]:
+        """Set the relays' faults; returns once both apply them, with their [dropped, sent] counts."""
         for control in self._controls:
             control.sendall(f"{loss_pct} {delay_ms} {int(down)}\n".encode())
-        for control in self._controls:
-            self._answer(control)
+        return [self._answer(control) for control in self._controls]
+
+    def relay_counts(self) -> Dict[str, int]:
+        """Packets the relays dropped and passed so far, both directions together (relay wire only)."""
+        if self.wire != "relay":
+            raise ValueError("relay_counts: only the relay wire counts its packets")
+        s = self.shaping
+        counts = self._tell_relays(s.get("loss_pct", 0.0), s.get("delay_ms", 0.0), down=self._down)
+        return {"dropped": sum(c[0] for c in counts), "sent": sum(c[1] for c in counts)}
 
     # ------------------------------------------------------------------ the link's shape
     def shape(self, rate_gbit: Optional[float] = None, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
@@ -279,6 +294,7 @@ class EmulatedLink:
         survive a short outage); else restore the shape set by the last :meth:`shape`.  Veth: a ``pfifo`` of
         limit 0 on both ends (it drops all it is given; needs no netem, and unlike ``ip link set down`` leaves the
         routes, so senders see a silent loss, not "no route"); relay: the relays drop everything."""
+        self._down = down
         if not down:
             s = self.shaping
             self.shape(s.get("rate_gbit") or None, s.get("delay_ms", 0.0), s.get("loss_pct", 0.0))

@@ -11,8 +11,8 @@ exchange packets over a datagram socketpair made by their parent (``PEER_FD``: o
 A relay applies the faults to what its own machine sends (so each direction is faulted once): drops each packet
 with probability ``loss_pct / 100``, holds each for ``delay_ms`` (one way: a constant delay keeps the order), and
 in an outage drops everything.  ``CONTROL_FD`` is a stream socket to the parent: a line ``loss delay down`` sets
-them and is answered ``ok``; end of file (the parent is gone, even killed with SIGKILL) ends the relay, which
-releases the namespace.
+them and is answered ``ok <packets dropped> <packets sent>`` (this relay's counts so far); end of file (the parent
+is gone, even killed with SIGKILL) ends the relay, which releases the namespace.
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def main() -> None:
     loss_pct, delay_s, down = 0.0, 0.0, False
     held: collections.deque = collections.deque()  # (time to send, packet), in order
     pending = b""
-    control.sendall(b"ok\n")  # attached: the parent may send traffic now
+    dropped = sent = 0
+    control.sendall(b"ok 0 0\n")  # attached: the parent may send traffic now
 
     def send(packet: bytes) -> None:
         try:
@@ -67,7 +68,9 @@ def main() -> None:
                 except BlockingIOError:
                     break
                 if down or (loss_pct and rng.random() * 100.0 < loss_pct):
+                    dropped += 1
                     continue
+                sent += 1
                 if delay_s:
                     held.append((now + delay_s, packet))
                 else:
@@ -91,7 +94,7 @@ def main() -> None:
                 loss_pct, delay_s, down = float(loss), float(delay_ms) / 1000.0, outage == b"1"
                 if down:
                     held.clear()  # (a pulled cable loses what was on it)
-                control.sendall(b"ok\n")
+                control.sendall(f"ok {dropped} {sent}\n".encode())
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ class Machines:
             proc.wait(timeout=30)
 
     def dump(self) -> str:
-        return "\n".join(f"--- machine {m}\n{self.text(m)[-20000:]}" for m in (0, 1))
+        return "\n".join(f"--- machine {m}\n{self.text(m)[-6000:]}" for m in (0, 1))
 
 
 def losses(text: str) -> Dict[int, str]:
@@ -148,8 +148,11 @@ def uninterrupted(tmp_path_factory):
 def test_one_percent_packet_loss_changes_no_loss_value(uninterrupted, tmp_path):
     with netlink.EmulatedLink(wire="relay", loss_pct=1.0) as link:
         job = run_job(link, tmp_path / "run")
+        counts = link.relay_counts()
     assert not left_behind(link)
     assert losses(job.text(0)) == uninterrupted[0]
+    # packets were lost, about 1 in 100 (TCP resent them)
+    assert 0.3 < 100 * counts["dropped"] / (counts["dropped"] + counts["sent"]) < 3, counts
 
 
 def outage_during(link: "netlink.EmulatedLink", job: Machines, after_step: int) -> float:
@@ -188,3 +191,73 @@ def test_an_outage_longer_than_the_timeout_fails_every_rank_within_it_naming_the
     for machine, other in ((0, 1), (1, 0)):  # each rank's error names the machine (and rank) it lost
         assert f"this rank is on machine {machine}; its peers: machine {other}: rank {other})" in job.text(machine), \
             job.dump()
+
+
+@pytest.mark.ci
+def test_after_an_outage_max_restarts_resumes_from_the_newest_complete_checkpoint_to_the_same_weights(
+        uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    with netlink.EmulatedLink(wire="relay") as link:
+        job = Machines(link, out, flags=["--max_restarts", "1"], step_delay=1.0, FLATSHARD_TIMEOUT_S=str(TIMEOUT_S))
+        try:
+            down_at = outage_during(link, job, after_step=3)
+            up_at = time.monotonic()
+            while "resumed from" not in job.text(0) and time.monotonic() < up_at + LAUNCH_TIMEOUT_S \
+                    and job.procs[0].poll() is None:
+                time.sleep(0.1)
+            resumed_at = time.monotonic()
+            codes = job.wait(time.monotonic() + LAUNCH_TIMEOUT_S)
+        finally:
+            job.kill()
+    assert not left_behind(link)
+    assert codes == [0, 0], (codes, job.dump())
+    text = job.text(0)
+    resumed = re.search(r"^resumed from .* at step (\d+)$", text, re.MULTILINE)
+    assert resumed and int(resumed.group(1)) in (2, 4), job.dump()  # the step-2 or step-4 checkpoint
+    after = text[resumed.end():]
+    assert sorted(losses(after)) == list(range(int(resumed.group(1)) + 1, STEPS + 1))
+    final = weights(out)
+    assert final.keys() == uninterrupted[1].keys()
+    assert all(torch.equal(final[k], uninterrupted[1][k]) for k in final)
+    print(f"outage {up_at - down_at:.1f} s; link back -> resumed {resumed_at - up_at:.1f} s, -> job done "
+          f"{max(job.exit_times) - up_at:.1f} s; resumed from step {resumed.group(1)}")
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import netlink
+with netlink.EmulatedLink(wire="relay", loss_pct=1.0) as link:
+    print(" ".join(link.names), *[r.pid for r in link.relays], flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_relay_link_whose_owner_is_interrupted_or_killed_leaves_no_namespace_and_no_relay(how):
+    # SIGINT: the owner's handler kills the relays and deletes the namespaces; SIGKILL: the relays see their
+    # control socket close and end, and the next link deletes the namespaces of the dead pid (remove_stale)
+    owner = subprocess.Popen([sys.executable, "-c", HOLDER, str(REPO / "benchmarks")], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        line = owner.stdout.readline().split()
+        assert len(line) == 4, line
+        names, relays = line[:2], [int(pid) for pid in line[2:]]
+        assert set(names) <= set(netlink.namespaces())
+        owner.send_signal(how)
+        owner.wait(timeout=30)
+    finally:
+        owner.kill()
+        owner.wait()
+    gone = psutil.wait_procs([p for p in map(_process, relays) if p is not None], timeout=10)[1]
+    assert not gone, f"relays still running: {gone}"
+    if how == signal.SIGKILL:
+        assert set(names) <= set(netlink.remove_stale())
+    assert not set(names) & set(netlink.namespaces())
+
+
+def _process(pid: int) -> Optional[psutil.Process]:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
