@@ -12,6 +12,10 @@ The script is ``examples/resume_on_fault.py`` (checkpoints every 2 steps, resume
 * the same outage under ``--max_restarts 1``: the job resumes from its newest complete checkpoint once the link is
   back and ends with the uninterrupted run's final weights.
 
+The link itself: a TCP connection survives a short outage on both wires (veth: a pfifo of limit 0; relay: the
+relays drop everything), the relay delays one way and shapes with tbf, and a relay link whose owner is interrupted
+(SIGINT) or killed (SIGKILL) leaves no namespace and no relay process.
+
 Every test checks that none of its namespaces is left (``ip netns list``).  Needs root and iproute2 (CI runs as
 root); skipped otherwise.
 """
@@ -261,3 +265,52 @@ def _process(pid: int) -> Optional[psutil.Process]:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+ECHO = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 29512)); s.listen(1)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (data := c.recv(65536)):
+    c.sendall(data)
+"""
+PINGS = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 29512), timeout=60); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(int(sys.argv[2])):
+    start = time.monotonic(); c.sendall(b"x"); assert c.recv(1) == b"x"; print(time.monotonic() - start, flush=True)
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize("wire", ["relay", "veth"])
+def test_a_tcp_connection_survives_a_short_outage_and_the_relay_delays_and_shapes(wire):
+    with netlink.EmulatedLink(wire=wire) as link:
+        if wire == "relay":
+            link.shape(rate_gbit=0.2, delay_ms=20)  # tbf on the tun devices, the delay in the relays
+        server = link.popen(1, [sys.executable, "-c", ECHO, link.addresses[1]])
+        try:
+            time.sleep(0.5)
+            client = link.popen(0, [sys.executable, "-c", PINGS, link.addresses[1], "20"], stdout=subprocess.PIPE,
+                                text=True)
+            time.sleep(1.0)
+            link.outage(True)
+            time.sleep(3.0)
+            link.outage(False)
+            out, _ = client.communicate(timeout=60)
+            gbit = link.measure_gbit(1.0) if wire == "relay" else None
+        finally:
+            server.kill()
+            server.wait()
+        if wire == "veth":
+            try:
+                link.shape(delay_ms=5)  # works only where the kernel has netem
+            except netlink.LinkUnavailable as refused:
+                assert 'wire="relay"' in str(refused) and "netem" in str(refused)
+    assert not left_behind(link)
+    rtts = [float(line) for line in out.split()]
+    assert client.returncode == 0 and len(rtts) == 20, out  # every ping answered: the connection came through
+    assert max(rtts) > 2.5, rtts  # (one waited out the outage)
+    if wire == "relay":
+        assert sorted(rtts)[len(rtts) // 2] > 0.039, rtts  # 20 ms each way
+        assert 0.1 < gbit < 0.25, gbit
