@@ -164,8 +164,8 @@ def _embedding_gathers_worker(rank, world_size, checkpointing):
         checkpoint_units(wrapped.module, [u.module for u in wrapped.units if not u.is_root])
     schedule = wrapped.schedule
     gathers, unshard = [], schedule.engine.unshard
-    schedule.engine.unshard = lambda flats, label="", secondary=None: (
-        gathers.append((label, schedule.in_backward)), unshard(flats, label, secondary))
+    schedule.engine.unshard = lambda flats, label="", secondary=None, codes=None: (
+        gathers.append((label, schedule.in_backward)), unshard(flats, label, secondary, codes))[1]
     grads = first_grads(wrapped, data[0], rank, world_size)
     error = max((grads[k] - ddp_grads[k]).abs().max().item() for k in ddp_grads)
     return gathers, error, grads.keys() == ddp_grads.keys()

@@ -80,6 +80,35 @@ def test_a_rank_killed_mid_step_makes_the_survivor_fail_fast_with_context():
     assert waited < 20 and elapsed < 60, f"survivor waited {waited:.0f}s, test took {elapsed:.0f}s"
 
 
+def _stops_answering_mid_step(rank, world_size):
+    # rank 1 stays alive, connections open, but sends nothing: what a rank behind a dead link looks like
+    model = llama()
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
+    x = torch.randint(0, 100, (2, 8))
+    wrapped(x, labels=x).loss.backward()
+    if rank == 1:
+        time.sleep(12)
+        os._exit(0)  # (gone without a word: no teardown collective)
+    start = time.monotonic()
+    try:
+        wrapped(x, labels=x).loss.backward()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_rank_that_stops_answering_fails_its_peer_within_flatshard_timeout_s_naming_its_machine(monkeypatch):
+    # gloo's point-to-point waits ignore the group's timeout: the engine bounds them by FLATSHARD_TIMEOUT_S, which
+    # also bounds the world group the collectives run on here (the launcher's timeout: 60 s in spawn)
+    monkeypatch.setenv("FLATSHARD_TIMEOUT_S", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per machine
+    with pytest.raises(RuntimeError) as info:
+        spawn(2, _stops_answering_mid_step, timeout_s=60)
+    message, waited = info.value.results[0]
+    assert "this rank is on machine 0; its peers: machine 1: rank 1)" in message, message
+    assert 2.5 < waited < 8, f"waited {waited:.1f} s with FLATSHARD_TIMEOUT_S=3"
+
+
 def _step_during_backward_worker(rank, world_size):
     wrapped = FullyShardedDataParallel(Toy(), auto_wrap_policy=transformer_auto_wrap_policy([Block]))
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)

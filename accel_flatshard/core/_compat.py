@@ -78,6 +78,13 @@ def dynamo_counters() -> Any:
     return counters
 
 
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Change a live process group's timeout (``timeout``: a timedelta); torch has no public call for it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._set_pg_timeout(timeout, group)
+
+
 def fake_world(world_size: int, backend: str) -> Any:
     """A fresh world of ``world_size`` fake ranks (this process is rank 0), its groups named ``backend`` (comm.py
     picks collectives by it); the caller's world is set aside meanwhile (c10d's ``_world`` and tables)."""

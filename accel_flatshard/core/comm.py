@@ -12,20 +12,19 @@ import atexit
 import collections
 import contextlib
 import datetime
-import functools
 import time
-import uuid
 import weakref
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from ._compat import is_fake
-from .options import FlatShardOptions, env_flag
+from ._compat import is_fake, set_group_timeout
+from .options import FlatShardOptions
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_for_reduction, sum_dequantized
-from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
+from .handles import DONE, Handle, bounded, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
+from .elastic import agree_on_attempt, scoping_store_per_attempt  # noqa: F401  (the patch table's target is here)
 
 
 @runtime_checkable
@@ -62,6 +61,7 @@ class Members(NamedTuple):
     size: int
     rank: int
     on_node: int
+    p2p_timeout: Optional[datetime.timedelta] = None
 
 
 # A gloo worker thread drops a finished collective's tensors a moment after ``wait()`` returns.  If the script ends in
@@ -110,6 +110,10 @@ class ShardGroup:
         self.backend = str(dist.get_backend(self.world_group))
         self.uses_nccl, self.uses_gloo = "nccl" in self.backend, "gloo" in self.backend
         _let_gloo_finish_at_exit()
+        if options.timeout_s != FlatShardOptions.__dataclass_fields__["timeout_s"].default:
+            # set by the user: it bounds the engine's collectives on the launcher's group too (sharding over every
+            # rank), whose own timeout (30 min by default) would keep a rank cut off from its peers that long
+            set_group_timeout(self.world_group, datetime.timedelta(seconds=options.timeout_s))
         if shard_size is None or shard_size == self.world_size:
             self.shard_group, self.replica_group, self.shard_size = self.world_group, None, self.world_size
         else:
@@ -128,9 +132,14 @@ class ShardGroup:
                 [list(range(s, s + shard_size)) for s in range(0, self.world_size, shard_size)], timeout)
             self.replica_group = _subgroup_containing(
                 [list(range(i, self.world_size, shard_size)) for i in range(shard_size)], timeout)
+        # gloo's point-to-point waits ignore the group's timeout (a recv from a peer behind a dead link never ends):
+        # bounded here by timeout_s; NCCL's are not (a bounded wait there blocks the host until the kernel ends)
+        self.p2p_timeout = (datetime.timedelta(seconds=options.timeout_s) if self.uses_gloo and not self.uses_nccl
+                            else None)
         self.shard_rank = dist.get_rank(self.shard_group)
         self.ranks_per_node = options.ranks_per_node or self.world_size  # (None: every rank on one machine)
         self.shard = self._members(self.shard_group)
+        self.peers = self._peers_by_machine()
         self.replicas = self._members(self.replica_group) if self.replica_group is not None else None
         self.node, self.column = (self._node_groups(options) if options.node_local_backward_gather
                                   else (None, None))
@@ -151,7 +160,16 @@ class ShardGroup:
                  else dist.get_process_group_ranks(group))
         node = self.world_rank // self.ranks_per_node
         on_node = sum(r // self.ranks_per_node == node for r in ranks) - 1
-        return Members(group, len(ranks), dist.get_rank(group), on_node)
+        return Members(group, len(ranks), dist.get_rank(group), on_node, self.p2p_timeout)
+
+    def _peers_by_machine(self) -> str:
+        """The ranks this rank's collectives wait for, by machine, for the error when one fails."""
+        me, groups = dist.get_rank(), [g for g in (self.shard_group, self.replica_group) if g is not None]
+        machines: dict = {}
+        for rank in sorted({r for g in groups for r in dist.get_process_group_ranks(g)} - {me}):
+            machines.setdefault(rank // self.ranks_per_node, []).append(str(rank))
+        where = "; ".join(f"machine {m}: rank{'s' * (len(r) > 1)} {', '.join(r)}" for m, r in machines.items())
+        return f"this rank is on machine {me // self.ranks_per_node}; its peers: {where or 'none'}"
 
     def _node_groups(self, options: FlatShardOptions) -> Tuple[Optional[Members], Optional[Members]]:
         """The shard group's members on this rank's machine (the node group: backward gathers and the first half of a
@@ -169,7 +187,8 @@ class ShardGroup:
                   for k in range(machines)]
         columns = [[s + k * n + i for k in range(machines)] for s in range(0, self.world_size, g) for i in range(n)]
         node, column = _subgroup_containing(blocks, timeout), _subgroup_containing(columns, timeout)
-        return Members(node, n, dist.get_rank(node), n - 1), Members(column, machines, dist.get_rank(column), 0)
+        return (Members(node, n, dist.get_rank(node), n - 1, self.p2p_timeout),
+                Members(column, machines, dist.get_rank(column), 0, self.p2p_timeout))
 
     def _count(self, kind: str, members: Members, per_peer: int) -> None:
         """What this rank sends to each other member, split by machine (and marked for a running profiler)."""
@@ -381,7 +400,7 @@ def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: S
             if peer != members.rank:
                 ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
                 ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
-    return Handle(dist.batch_isend_irecv(ops))
+    return Handle(_exchange(ops, members))
 
 
 def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> Handle:
@@ -408,7 +427,7 @@ def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls
             for part in parts[2:]:
                 output.add_(part)
 
-    return Handle(dist.batch_isend_irecv(ops) if ops else [], then=sum_into_outputs)
+    return Handle(_exchange(ops, members) if ops else [], then=sum_into_outputs)
 
 
 def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
@@ -422,7 +441,13 @@ def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inp
         if peer != members.rank:
             ops += [dist.P2POp(dist.isend, t, group=members.group, group_peer=peer, tag=3) for t in inputs[peer]]
             ops += [dist.P2POp(dist.irecv, t, group=members.group, group_peer=peer, tag=3) for t in outputs[peer]]
-    return waited(Handle(dist.batch_isend_irecv(ops) if ops else []), async_op)
+    return waited(Handle(_exchange(ops, members) if ops else []), async_op)
+
+
+def _exchange(ops: List[Any], members: Members) -> List[Any]:
+    """``dist.batch_isend_irecv(ops)``, each work's wait bounded by ``members.p2p_timeout`` (if any)."""
+    works = dist.batch_isend_irecv(ops)
+    return works if members.p2p_timeout is None else [bounded(w, members.p2p_timeout) for w in works]
 
 
 def _spans_the_world(group: dist.ProcessGroup) -> bool:
@@ -533,67 +558,3 @@ def new_gloo_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     ranks = (list(range(dist.get_world_size(group))) if group is dist.group.WORLD
              else dist.get_process_group_ranks(group))
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-
-
-# ---------------------------------------------------------------------- one key space per elastic attempt
-# torchelastic's agent keeps one TCPStore for the whole job (the static rendezvous, accelerate's yaml default, and
-# the c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and since torch 2.5 the workers' env:// store has no
-# per-attempt prefix (torch/distributed/rendezvous.py, _create_c10d_store).  The process groups of a restarted
-# attempt then find the keys of the attempt before: a rank that reads its dead peer's gloo address fails
-# ("connectFullMesh ... Connection refused") or waits for a connection that never comes (30 min by default).
-_ATTEMPT_KEYS = "accel_flatshard/attempt/"
-_WELCOME_POLL_S = (0.01, 0.5)  # first and longest pause of a rank waiting for rank 0's answer
-
-
-def scoping_store_per_attempt(env_handler: Callable[..., Iterator[Tuple[Any, int, int]]]) -> Callable:
-    """torch's ``env://`` rendezvous handler (``init_process_group``'s default), made to give each attempt of a
-    torchelastic job a store prefix of its own when the workers share the agent's store (the patch table's
-    ``elastic_attempt_store``); any other launch gets torch's store unchanged."""
-
-    @functools.wraps(env_handler)
-    def handler(url: str, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
-        for store, rank, world_size in env_handler(url, **kwargs):
-            if env_flag("TORCHELASTIC_USE_AGENT_STORE"):
-                timeout = kwargs.get("timeout") or datetime.timedelta(minutes=30)
-                store = dist.PrefixStore(f"/worker/attempt_{agree_on_attempt(store, rank, world_size, timeout)}",
-                                         store)
-            yield store, rank, world_size
-
-    return handler
-
-
-def agree_on_attempt(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> str:
-    """A name for this attempt that all its ``world_size`` ranks agree on, through ``store``, which keeps the keys
-    of earlier attempts.  Rank 0 names it; each other rank learns it by a token of its own, so a key left by an
-    earlier attempt is never taken for this one's (torchelastic's restart count could serve as the name only on
-    one node: an agent restarted for another node's failure keeps its count).  Raises after ``timeout``."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    arrived = [f"{_ATTEMPT_KEYS}arrived/{r}" for r in range(1, world_size)]
-    welcome = [f"{_ATTEMPT_KEYS}welcome/{r}" for r in range(1, world_size)]
-    if rank == 0:
-        name = uuid.uuid4().hex
-        for key in arrived:  # an earlier attempt's: whatever is there after this was written by this attempt
-            store.delete_key(key)
-        if arrived:
-            try:
-                store.wait(arrived, timeout)
-            except RuntimeError as e:  # (torch's DistStoreError)
-                missing = [r for r, key in enumerate(arrived, 1) if not store.check([key])]
-                raise RuntimeError(f"accel_flatshard: rank(s) {missing} of this torchelastic attempt did not reach "
-                                   f"init_process_group within {timeout} ({e})") from e
-            tokens = store.multi_get(arrived)
-            store.multi_set(welcome, [token + b" " + name.encode() for token in tokens])
-        return name
-    token, pause = uuid.uuid4().hex, _WELCOME_POLL_S[0]
-    while True:
-        # written again each time round: rank 0 deletes what it finds before it starts waiting
-        store.set(arrived[rank - 1], token)
-        if store.check([welcome[rank - 1]]):
-            theirs, _, name = store.get(welcome[rank - 1]).decode().partition(" ")
-            if theirs == token:
-                return name
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"accel_flatshard: rank 0 of this torchelastic attempt did not reach "
-                               f"init_process_group within {timeout} (rank {rank} waited for it)")
-        time.sleep(pause)
-        pause = min(pause * 1.5, _WELCOME_POLL_S[1])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["DONE", "Handle", "followed_by", "issued", "start", "wait_for", "waited"]
+__all__ = ["DONE", "Handle", "bounded", "followed_by", "issued", "start", "wait_for", "waited"]
 
 
 class Handle:
@@ -98,9 +98,22 @@ def waited(handle: Handle, async_op: bool) -> Handle:
     return handle
 
 
+class bounded:
+    """``work`` (a torch work handle) whose ``wait()`` raises once ``timeout`` (a ``timedelta``) has passed."""
+
+    __slots__ = ("work", "timeout")
+
+    def __init__(self, work: Any, timeout: Any) -> None:
+        self.work, self.timeout = work, timeout
+
+    def wait(self) -> bool:
+        return self.work.wait(self.timeout)
+
+
 def wait_for(handle: Any, what: str, group: Any) -> None:
     """Wait for ``handle``; if its collective fails (a peer died, the timeout expired) say which one it was (``what``,
-    on ``group``: its ``world_rank``, ``world_size``, ``shard_size``)."""
+    on ``group``: its ``world_rank``, ``world_size``, ``shard_size`` and ``peers``, the ranks it waits for by
+    machine)."""
     try:
         handle.wait()
     except ValueError:  # (the data, not the collective: a non-finite weight under quantized_all_gather)
@@ -108,6 +121,7 @@ def wait_for(handle: Any, what: str, group: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise RuntimeError(
             f"accel_flatshard: {what} failed on rank {group.world_rank} of {group.world_size} "
-            f"(shard group size {group.shard_size}). A peer rank probably died or stopped participating, "
-            f"or the process-group timeout expired. Original error: {exc}"
+            f"(shard group size {group.shard_size}; {getattr(group, 'peers', 'peers unknown')}). A peer rank "
+            f"probably died or stopped participating, its machine went off the network, or the process-group "
+            f"timeout (FLATSHARD_TIMEOUT_S) expired. Original error: {exc}"
         ) from exc
