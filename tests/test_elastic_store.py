@@ -1,4 +1,4 @@
-"""Process groups of a torchelastic restart get a key space of their own (comm.scoping_store_per_attempt).
+"""Process groups of a torchelastic restart get a key space of their own (elastic.scoping_store_per_attempt).
 
 torchelastic's agent keeps one TCPStore for the whole job (static rendezvous, c10d's shared store), and torch's
 env:// store has no per-attempt prefix: without the patch, a restarted rank can read its dead peer's gloo address
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from accel_flatshard.core import comm
+from accel_flatshard.core import elastic
 from accel_flatshard.integrations import patches
 from dist_helpers import _context
 
@@ -35,7 +35,7 @@ def _client(port: int) -> dist.TCPStore:
 def _agree_in_threads(port: int, ranks, world_size: int, names: dict, timeout=TIMEOUT) -> list:
     def run(rank):
         try:
-            names[rank] = comm.agree_on_attempt(_client(port), rank, world_size, timeout)
+            names[rank] = elastic.agree_on_attempt(_client(port), rank, world_size, timeout)
         except RuntimeError as e:
             names[rank] = e
 
@@ -126,6 +126,6 @@ def test_other_launches_get_torchs_store_unchanged(monkeypatch, use_agent_store)
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     else:
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", use_agent_store)
-    handler = comm.scoping_store_per_attempt(env_handler)
+    handler = elastic.scoping_store_per_attempt(env_handler)
     assert next(handler("env://", timeout=TIMEOUT)) == ("torch's store", 0, 1)
     assert seen == [("env://", {"timeout": TIMEOUT})]

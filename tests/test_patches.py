@@ -40,7 +40,7 @@ def test_install_reports_and_uninstall_restores_every_original(clean_patches, ca
         applied = patches.install(register=True)
     assert "transformers.trainer.save_fsdp_model" in applied and "accelerate.Accelerator" in applied
     assert transformers.trainer.save_fsdp_model is state_io.save_fsdp_model
-    assert rendezvous._rendezvous_handlers["env"].__wrapped__ is env_handler  # (comm.scoping_store_per_attempt)
+    assert rendezvous._rendezvous_handlers["env"].__wrapped__ is env_handler  # (elastic.scoping_store_per_attempt)
     for where in applied:  # one INFO line per binding, then a summary
         assert f"patched {where}" in caplog.text
     assert f"{len(applied)} library bindings patched" in caplog.text

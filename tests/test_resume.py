@@ -9,7 +9,7 @@ The same for the Trainer (``tests/scripts/trainer_resume.py``, ``resume_from_che
 one a user types: the shipped yaml (its static rendezvous) plus ``--max_restarts 1``, no other flag, no variable.
 The c10d rendezvous (with the agent's shared store, and without it: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and
 ``torchrun --max-restarts 1`` resume too.  Before accel_flatshard gave each attempt's process groups a store prefix
-of their own (comm.scoping_store_per_attempt), the restarted ranks of the static and shared-store launches could
+of their own (elastic.scoping_store_per_attempt), the restarted ranks of the static and shared-store launches could
 read a dead peer's address left in the agent's store and hang in init_process_group.
 """
 from __future__ import annotations

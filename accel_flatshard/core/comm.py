@@ -3,8 +3,7 @@
 A :class:`ShardGroup` holds the shard group (size G) and, for hybrid sharding, the replica group (the ranks
 holding the same shard, size W/G), and runs the engine's collectives with the torch and backend at hand.
 :class:`Collectives` is what the engine asks of it: the interface the tests' stand-ins for a group implement too.
-Under torchelastic's agent store, :func:`scoping_store_per_attempt` gives each attempt's process groups a key space
-of their own (:func:`agree_on_attempt`), so that a restarted rank never reads its dead peer's address.
+(The per-attempt key spaces of a torchelastic restart are ``elastic.py``'s.)
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from .options import FlatShardOptions
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_for_reduction, sum_dequantized
 from .handles import DONE, Handle, bounded, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
-from .elastic import agree_on_attempt, scoping_store_per_attempt  # noqa: F401  (the patch table's target is here)
 
 
 @runtime_checkable

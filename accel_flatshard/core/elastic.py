@@ -1,18 +1,19 @@
 """One key space per torchelastic attempt: the process groups of a restarted attempt never read the keys (a dead
 peer's gloo address) of the attempt before.  :func:`scoping_store_per_attempt` wraps torch's ``env://`` rendezvous
-handler (the patch table's ``elastic_attempt_store``, which names it through ``comm.py``); :func:`agree_on_attempt`
+handler (the patch table's ``elastic_attempt_store``); :func:`agree_on_attempt`
 is the store protocol that names an attempt.
 """
 from __future__ import annotations
 
 import datetime
 import functools
-import os
 import time
 import uuid
 from typing import Any, Callable, Iterator, Tuple
 
 import torch.distributed as dist
+
+from .options import env_flag
 
 
 # torchelastic's agent keeps one TCPStore for the whole job (the static rendezvous, accelerate's yaml default, and
@@ -24,12 +25,6 @@ _ATTEMPT_KEYS = "accel_flatshard/attempt/"
 _WELCOME_POLL_S = (0.01, 0.5)  # first and longest pause of a rank waiting for rank 0's answer
 
 
-def _agent_store() -> bool:
-    """Whether torchelastic's agent lends its store to the workers (it sets the variable to ``True`` / ``False``; read
-    here, not through ``options.env_flag``: this module imports nothing of the package, to keep import chains short)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true", "yes", "y", "on")
-
-
 def scoping_store_per_attempt(env_handler: Callable[..., Iterator[Tuple[Any, int, int]]]) -> Callable:
     """torch's ``env://`` rendezvous handler (``init_process_group``'s default), made to give each attempt of a
     torchelastic job a store prefix of its own when the workers share the agent's store (the patch table's
@@ -38,7 +33,7 @@ def scoping_store_per_attempt(env_handler: Callable[..., Iterator[Tuple[Any, int
     @functools.wraps(env_handler)
     def handler(url: str, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
         for store, rank, world_size in env_handler(url, **kwargs):
-            if _agent_store():
+            if env_flag("TORCHELASTIC_USE_AGENT_STORE"):
                 timeout = kwargs.get("timeout") or datetime.timedelta(minutes=30)
                 store = dist.PrefixStore(f"/worker/attempt_{agree_on_attempt(store, rank, world_size, timeout)}",
                                          store)

@@ -155,7 +155,7 @@ PATCHES: Tuple[Patch, ...] = (
           "its own copy of the shared dict, which accelerate's gather/save helpers read", "accelerate 1.10.1, 1.16",
           key="distributed_type", scope="fsdp_state"),
     Patch("elastic_attempt_store", "torch.distributed.rendezvous", "_rendezvous_handlers",
-          "accel_flatshard.core.comm:scoping_store_per_attempt",
+          "accel_flatshard.core.elastic:scoping_store_per_attempt",
           "under torchelastic restarts (`--max_restarts` with the yaml's static rendezvous, or c10d's shared store) "
           "every attempt's workers share the agent's key-value store with no per-attempt prefix (torch >= 2.5): a "
           "restarted rank could read its dead peer's gloo address and fail or hang in init_process_group; each "
