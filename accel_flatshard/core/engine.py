@@ -7,7 +7,8 @@ wait and buffer lifetime is an adapter call, so the same lines run CUDA (:class:
 section 5 says how they differ and what the bookkeeping (gathers in flight, pending reductions) guarantees.  Besides:
 
 * Gradients are divided by ``f`` before the sum and by ``W / f`` after (FSDP1's pre/post divide), so W
-  loss-scaled fp16 gradients do not overflow in the sum.
+  loss-scaled fp16 gradients do not overflow in the sum; without float16 and with W a power of two, by W after the
+  sum alone (bitwise the same: each factor is an exact scaling; one pass over a shard, not over every full gradient).
 * Hybrid sharding: the replica all-reduce follows the reduce-scatter (``adapter.after``): on CUDA it is issued at
   once on its own stream behind the reduce-scatter's event, so it does not serialise the next unit's
   reduce-scatter; on gloo it is issued once the reduce-scatter is done.
@@ -52,6 +53,7 @@ class _PendingReduce:
     replicas: Optional[Handle] = None  # completion of the replica all-reduce (hybrid sharding)
     host_grad: Optional[torch.Tensor] = None  # offload: the host buffer the reduced shard is copied into
     copied: Optional[Handle] = None  # offload: completion of the copy into ``host_grad``
+    postdivide: float = 1.0  # what the reduced shard is still to be divided by (Engine._divisors)
     deferred: bool = False  # a partial sum (inside the shard group / machine), carried to the syncing micro-batch
 
 
@@ -103,6 +105,15 @@ class Engine:
         self.replica_stream = streams.side_stream("replica_all_reduce") if self.group.is_hybrid else None
         if self.offload is not None:
             self.offload.streams = streams
+
+    def _divisors(self, dtype: torch.dtype) -> Tuple[float, float]:
+        """(before the sum, after it) for a reduction in ``dtype``: FSDP1's split for float16 (so that W loss-scaled
+        gradients do not overflow in the sum) or W not a power of two; else all of it after the sum, bitwise the
+        same (each factor is an exact scaling) in one pass over a shard instead of one over the full gradient."""
+        W = self.group.world_size
+        if dtype == torch.float16 or W & (W - 1):
+            return self.predivide, self.postdivide
+        return 1.0, float(W)
 
     def begin_step(self) -> None:
         """Called at the root's pre-forward: gathers must see the optimizer's latest update."""
@@ -221,8 +232,9 @@ class Engine:
             # stream waited for the reduction, without record_stream
             full = s.reduction_input(full_grad, dtype)
             del full_grad
-            if self.predivide != 1:
-                full.div_(self.predivide)
+            predivide, postdivide = self._divisors(dtype)
+            if predivide != 1:
+                full.div_(predivide)
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
             quantized = self.quantized_reduce  # (int8 through an all-to-all, summed in float32)
             two_stages = self._reduces_in_two_stages
@@ -250,7 +262,7 @@ class Engine:
             else:
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
                                       self.group.reduce_scatter(out, full, async_op=async_op))
-        r = _PendingReduce(flat, handle, full, shard_out, label, deferred=deferred)
+        r = _PendingReduce(flat, handle, full, shard_out, label, deferred=deferred, postdivide=postdivide)
         del full, shard_out
         if deferred:
             self._reduces.append(r)  # (finish_reduces carries it: no replica all-reduce, no offload copy)
@@ -273,8 +285,8 @@ class Engine:
         the stream that wrote it last."""
         s = self.streams
         shard = r.shard_out
-        if self.postdivide != 1:
-            shard.mul_(1.0 / self.postdivide)
+        if r.postdivide != 1:
+            shard.mul_(1.0 / r.postdivide)
         shard = shard.to(r.flat.dtype)
         r.host_grad = self.offload.grad_target(r.flat)
         s.to_host(shard, r.host_grad)
@@ -316,12 +328,12 @@ class Engine:
                 r.flat.accumulate_sharded_grad(r.host_grad)
             self.offload.targets_consumed()
             return
-        compute, scale = self.streams.compute_stream(), 1.0 / self.postdivide
+        compute = self.streams.compute_stream()
         for r in done:
             # allocated on the reduce-scatter stream, kept as the sharded gradient used on the compute stream
             self.streams.record_stream(r.shard_out, compute)
-            if scale != 1.0:
-                r.shard_out.mul_(scale)
+            if r.postdivide != 1.0:
+                r.shard_out.mul_(1.0 / r.postdivide)
             r.flat.accumulate_sharded_grad(r.shard_out)
 
     def drain_discarding_reductions(self) -> None:
