@@ -30,7 +30,7 @@ MUTATIONS = [
              "        self.predivide = self.group.world_size / float(gradient_predivide_factor(self.group.world_size))\n",
              ("fp16_gradients and 8",)),
     Mutation("fp16 pre-divide left out", "core/engine.py",
-             "                full.div_(self.predivide)\n", "                pass\n", ("fp16_gradients",)),
+             "                full.div_(predivide)\n", "                pass\n", ("fp16_gradients",)),
     Mutation("pending-reduction bound lifted", "core/engine.py",
              "        while len(self._reduces) >= MAX_PENDING_REDUCTIONS:\n", "        while False:\n",
              ("at_most_n_full_gradients",)),
