@@ -130,7 +130,8 @@ def test_predicted_step_within_25_percent_of_the_measured(phases):
 
 
 def test_recommendation_is_the_measured_fastest(phases):
-    for key, rate, measured in phases:
+    # (at each link rate; the unshaped phase is the compute reference, where the configurations differ by noise)
+    for key, rate, measured in [phase for phase in phases if phase[1]]:
         picked = min(measured, key=lambda rp: rp[1].step_s)[0]
         fastest = min(r["median_s"] for r, _ in measured)
         assert picked["median_s"] <= 1.05 * fastest, (key, rate, picked["engine"], [
