@@ -216,8 +216,8 @@ def link_report(planner: Planner, launched: Config, link: Link, compute_s: float
                         r.across_bytes, "sent_per_rank": {f"{k} {w}": v for (k, w), v in sorted(r.sent.items())},
                         "crossings": r.crossings, "compute_s": r.compute_s, "wire_s": r.wire_s,
                         "step_s": r.step_s, "peak_bytes": r.prediction.peak_bytes, "fits": r.fits} for r in rows],
-        "model": "step = max(compute, wire) + EXPOSED_SHARE x min(compute, wire); wire = bytes across / rate + crossings x "
-                 "latency; compute = the reference's + (GLOO_FLOP_PER_BYTE x bytes sent beyond its own + "
+        "model": "step = max(compute, wire) + EXPOSED_SHARE x min(compute, wire); wire = bytes across / rate + "
+                 "crossings x latency; compute = the reference's + (GLOO_FLOP_PER_BYTE x bytes sent beyond its own + "
                  "INT8_FLOP_PER_BYTE x bytes through int8) / the rank's FLOP rate (accel_flatshard/plan/link.py)",
         "constants": {"GLOO_FLOP_PER_BYTE": GLOO_FLOP_PER_BYTE, "INT8_FLOP_PER_BYTE": INT8_FLOP_PER_BYTE,
                       "EXPOSED_SHARE": EXPOSED_SHARE}}
