@@ -115,11 +115,14 @@ def plot_link(data: Dict[str, Any], out: str, title: Optional[str] = None) -> No
     finite = sorted({r for panel in panels.values() for pts in panel.values() for r, _ in pts if r != float("inf")})
     right = (finite[-1] * 4) if finite else 1.0  # where "unshaped" is drawn
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), dpi=90, squeeze=False)
+    engines = sorted({e for panel in panels.values() for e in panel} - {"ddp", "ours"})
+    palette = plt.get_cmap("tab20").colors
+    colour = {"ddp": "black", "ours": "#c44e52", **{e: palette[i % len(palette)] for i, e in enumerate(engines)}}
     for ax, ((topology, k), panel) in zip(axes[0], sorted(panels.items())):
         for e, pts in sorted(panel.items()):
             xs = [right if r == float("inf") else r for r, _ in pts]
             ax.plot(xs, [t * 1e3 for _, t in pts], marker="o", markersize=3, label=e,
-                    linewidth=2.2 if e in ("ddp", "ours") else 1.1, color="black" if e == "ddp" else None)
+                    linewidth=2.2 if e in ("ddp", "ours") else 1.1, color=colour[e])
         bound = sorted((right if r["rate_gbit"] == 0 else r["rate_gbit"], r["bound_s"]) for r in data["rows"]
                        if (r["topology"], r["accumulate"], r["engine"]) == (topology, k, "ours"))
         if bound:
