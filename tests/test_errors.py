@@ -97,6 +97,7 @@ def _stops_answering_mid_step(rank, world_size):
     return "no error", time.monotonic() - start
 
 
+@pytest.mark.ci
 def test_a_rank_that_stops_answering_fails_its_peer_within_flatshard_timeout_s_naming_its_machine(monkeypatch):
     # gloo's point-to-point waits ignore the group's timeout: the engine bounds them by FLATSHARD_TIMEOUT_S, which
     # also bounds the world group the collectives run on here (the launcher's timeout: 60 s in spawn)

@@ -283,6 +283,7 @@ for _ in range(int(sys.argv[2])):
 """
 
 
+@pytest.mark.ci
 @pytest.mark.parametrize("wire", ["relay", "veth"])
 def test_a_tcp_connection_survives_a_short_outage_and_the_relay_delays_and_shapes(wire):
     with netlink.EmulatedLink(wire=wire) as link:

@@ -121,6 +121,7 @@ def test_link_forms_and_refusals(capsys):
     assert "--compute_ms" in capsys.readouterr().err
 
 
+@pytest.mark.ci
 def test_predicted_step_within_25_percent_of_the_measured(phases):
     _print(phases)
     worst = max(((r, p) for _, _, measured in phases for r, p in measured),
@@ -129,6 +130,7 @@ def test_predicted_step_within_25_percent_of_the_measured(phases):
     assert abs(p.step_s / r["median_s"] - 1) <= 0.25, (r, p.step_s, p.compute_s, p.wire_s)
 
 
+@pytest.mark.ci
 def test_recommendation_is_the_measured_fastest(phases):
     # (at each link rate; the unshaped phase is the compute reference, where the configurations differ by noise)
     for key, rate, measured in [phase for phase in phases if phase[1]]:
@@ -138,12 +140,14 @@ def test_recommendation_is_the_measured_fastest(phases):
             (r["engine"], r["median_s"], p.step_s) for r, p in measured])
 
 
+@pytest.mark.ci
 def test_bytes_across_within_10_percent_of_the_veth_counter(phases):
     for key, rate, measured in phases:
         for r, p in measured:
             assert abs(p.across_bytes / 1e6 / r["cross_mb"] - 1) <= 0.10, (key, rate, r["engine"], p.across_bytes)
 
 
+@pytest.mark.ci
 def test_cli_link_prints_the_table_and_reason(capsys):
     argv = ["--model", f"{os.path.abspath(__file__)}:tiny", "--seq_len", "16", "--batch_size", "2", "--device",
             "cpu", "--num_processes", "4", "--num_machines", "2", "--use_fsdp", "--fsdp_auto_wrap_policy",
