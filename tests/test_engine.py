@@ -242,3 +242,29 @@ def test_the_groups_the_engine_runs_on_share_one_interface(world_of_one):
     for stand_in in (group, _IdenticalRanksGroup(4, 2), IdenticalReplicas(group)):
         assert isinstance(stand_in, Collectives), type(stand_in).__name__
     assert not isinstance(object(), Collectives)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_average_after_the_sum_is_bitwise_fsdp1s_split_for_a_power_of_two(world, dtype):
+    """Engine._divisors: without float16 and with W a power of two the engine divides the summed shard by W instead of
+    every full gradient by f before the sum and by W / f after; each factor is an exact scaling, so the gradients are
+    bitwise the same, exact or through int8 (where the blocks' scales scale alike)."""
+    from accel_flatshard.core.engine import gradient_predivide_factor
+    from accel_flatshard.core.int8 import quantize_for_reduction, sum_dequantized
+
+    g = torch.Generator().manual_seed(world)
+    grads = [(torch.randn(4096, generator=g) * 10.0 ** torch.randint(-6, 3, (4096,), generator=g)).to(dtype)
+             for _ in range(world)]
+    pre = float(gradient_predivide_factor(world))
+    split = sum(x / pre for x in grads) * (1.0 / (world / pre))
+    after = sum(grads) * (1.0 / world)
+    assert torch.equal(split, after)
+    quantized = [quantize_for_reduction(x.float(), world, 256, "g") for x in grads]
+    halves = [quantize_for_reduction(x.float() / pre, world, 256, "g") for x in grads]
+
+    def reduced(parts, scale):  # rank 0's chunk: every source's row 0, summed in float32, then scaled
+        q, s = torch.stack([p[0][0] for p in parts]), torch.stack([p[1][0] for p in parts])
+        return sum_dequantized(q, s, 256, torch.empty(q.shape[1])) * scale
+
+    assert torch.equal(reduced(halves, 1.0 / (world / pre)), reduced(quantized, 1.0 / world))
