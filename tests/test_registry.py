@@ -83,7 +83,7 @@ def test_an_offloaded_adamw_steps_fused_on_the_host(monkeypatch):
     param = torch.nn.Parameter(torch.zeros(4))
     param.grad = torch.ones(4)
     offload = SimpleNamespace(streams=SimpleNamespace(stream_ordered=True), wait_for_host_to_device_copies=lambda: 0)
-    stand_in = _StandIn(offload=offload, schedule=SimpleNamespace(in_backward=False))
+    stand_in = _StandIn(offload=offload, schedule=SimpleNamespace(in_backward=False, units=[]))
     monkeypatch.setattr(registry, "record_of_param", lambda p: stand_in if p is param else None)
     optimizer = torch.optim.AdamW([param])
     with pytest.warns(UserWarning, match="fused=True"):
