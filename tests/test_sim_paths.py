@@ -296,6 +296,27 @@ def save_pretrained(model, run, how):
     return [load_file(out / "model.safetensors"), losses]
 
 
+def no_sync_deferring_the_replica_all_reduce(model, run):
+    """FSDP2's ``set_requires_all_reduce(False)`` on the micro-step before the last (hybrid sharding: the reduction
+    inside the shard group runs, its result is carried, the replica all-reduce runs once on the last micro-step); a
+    model with nothing to defer (the unsimulated one process) reduces as plain ``no_sync``."""
+    opt, losses = _sgd(model), []
+    for x in batches(2):
+        first, second = x.chunk(2)
+        model.set_requires_all_reduce(False)
+        with model.no_sync():
+            loss = _loss(model, first)
+            loss.backward()
+        model.set_requires_all_reduce(True)
+        losses.append(loss.detach())
+        loss = _loss(model, second)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def no_sync(model, run):
     opt, losses = _sgd(model), []
     for x in batches(2):
@@ -606,6 +627,11 @@ def test_clip_grad_norm_under_offload_syncs_the_host_twice_not_per_parameter():
 @_grid("variant", FOUR, default=["offload", "hpz", "int8"])
 def test_no_sync_accumulation(variant, tmp_path):
     _both(variant, no_sync, tmp_path)
+
+
+@_grid("variant", ["hybrid", "hybrid-offload"], default=["hybrid"])
+def test_no_sync_accumulation_deferring_the_replica_all_reduce(variant, tmp_path):
+    _both(variant, no_sync_deferring_the_replica_all_reduce, tmp_path)
 
 
 def partly_frozen_llama():
