@@ -176,7 +176,8 @@ FAILURES: Dict[str, List[float]] = {}  # wire -> seconds from the outage to each
 
 
 @pytest.mark.ci
-@pytest.mark.parametrize("wire", ["relay", "veth"])
+# (veth in make test-all only: the relay is the wire whose silence only the timeout ends; CI stays under 40 min)
+@pytest.mark.parametrize("wire", ["relay", pytest.param("veth", marks=pytest.mark.slow)])
 def test_an_outage_longer_than_the_timeout_fails_every_rank_within_it_naming_the_lost_machine(tmp_path, wire):
     # relay: the packets vanish on the wire (a pulled cable), so only the process-group timeout can end the wait;
     # veth: the sender's own queue drops them (pfifo of limit 0), which the kernel's TCP may give up on sooner
