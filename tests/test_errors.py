@@ -52,19 +52,28 @@ def test_bad_input_errors_name_the_culprit():
     assert "head.weight" in errors["changed"] and "behind accel_flatshard's back" in errors["changed"]
 
 
-def _dies_mid_step(rank, world_size):
+def _second_step_after_rank_1(rank, world_size, leave):
+    """One step on both ranks, then rank 1 ``leave()``s and rank 0 steps again: (its error, seconds it waited)."""
     model = llama()
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
     x = torch.randint(0, 100, (2, 8))
     wrapped(x, labels=x).loss.backward()
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+        leave()
     start = time.monotonic()
     try:
         wrapped(x, labels=x).loss.backward()
     except RuntimeError as exc:
         return str(exc), time.monotonic() - start
     return "no error", time.monotonic() - start
+
+
+def _killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dies_mid_step(rank, world_size):
+    return _second_step_after_rank_1(rank, world_size, _killed)
 
 
 def test_a_rank_killed_mid_step_makes_the_survivor_fail_fast_with_context():
@@ -80,21 +89,14 @@ def test_a_rank_killed_mid_step_makes_the_survivor_fail_fast_with_context():
     assert waited < 20 and elapsed < 60, f"survivor waited {waited:.0f}s, test took {elapsed:.0f}s"
 
 
-def _stops_answering_mid_step(rank, world_size):
+def _silent_exit():
     # rank 1 stays alive, connections open, but sends nothing: what a rank behind a dead link looks like
-    model = llama()
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=transformer_auto_wrap_policy(model))
-    x = torch.randint(0, 100, (2, 8))
-    wrapped(x, labels=x).loss.backward()
-    if rank == 1:
-        time.sleep(12)
-        os._exit(0)  # (gone without a word: no teardown collective)
-    start = time.monotonic()
-    try:
-        wrapped(x, labels=x).loss.backward()
-    except RuntimeError as exc:
-        return str(exc), time.monotonic() - start
-    return "no error", time.monotonic() - start
+    time.sleep(12)
+    os._exit(0)  # (gone without a word: no teardown collective)
+
+
+def _stops_answering_mid_step(rank, world_size):
+    return _second_step_after_rank_1(rank, world_size, _silent_exit)
 
 
 @pytest.mark.ci

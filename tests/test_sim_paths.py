@@ -300,30 +300,20 @@ def no_sync_deferring_the_replica_all_reduce(model, run):
     """FSDP2's ``set_requires_all_reduce(False)`` on the micro-step before the last (hybrid sharding: the reduction
     inside the shard group runs, its result is carried, the replica all-reduce runs once on the last micro-step); a
     model with nothing to defer (the unsimulated one process) reduces as plain ``no_sync``."""
+    return no_sync(model, run, defer=True)
+
+
+def no_sync(model, run, defer=False):
     opt, losses = _sgd(model), []
     for x in batches(2):
         first, second = x.chunk(2)
-        model.set_requires_all_reduce(False)
-        with model.no_sync():
+        if defer:
+            model.set_requires_all_reduce(False)
+        with model.no_sync():  # the full gradients stay on the device, unreduced (defer: reduced inside the group)
             loss = _loss(model, first)
             loss.backward()
-        model.set_requires_all_reduce(True)
-        losses.append(loss.detach())
-        loss = _loss(model, second)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
-def no_sync(model, run):
-    opt, losses = _sgd(model), []
-    for x in batches(2):
-        first, second = x.chunk(2)
-        with model.no_sync():  # the full gradients stay on the device, unreduced
-            loss = _loss(model, first)
-            loss.backward()
+        if defer:
+            model.set_requires_all_reduce(True)
         losses.append(loss.detach())
         loss = _loss(model, second)
         loss.backward()
