@@ -65,12 +65,13 @@ EXCEPTIONS: Dict[str, str] = {
         "full-state-dict clones) and dropped by the host is already ordered after its copy; it protects only a "
         "source allocated on another stream",
     "core/engine.py::Engine.reduce_grad::collective#0":
-        "hpZ's deferred first stage (reduce_scatter_inside_machine) needs a node group of 2 or more ranks and a column "
-        "group across machines: the one-process simulator has neither (its hpZ stand-in is a node of one rank); "
-        "tests/test_accumulation_links.py runs it over gloo at W=4 as 2 machines x 2 ranks, not on CUDA streams",
-    "core/engine.py::Engine.reduce_grad::collective#1":
-        "hpZ's two-stage reduction with a carried sum: the same reason as collective#0 (the one-process stand-in "
-        "cannot reduce in two stages); tests/test_accumulation_links.py runs it over gloo at W=4",
+        "hpZ's first stage (reduce_scatter_inside_machine, deferred or not) needs a node group of 2 or more ranks and a "
+        "column group across machines: the one-process simulator has neither (its hpZ stand-in is a node of one rank); "
+        "tests/test_accumulation_links.py and tests/test_traffic.py run it over gloo at W=4 as 2 machines x 2 ranks, "
+        "not on CUDA streams",
+    "core/engine.py::Engine.reduce_grad.across_machines::record_stream#0":
+        "hpZ's second stage (reduce_scatter_across_machines) reads the first stage's sums on the replica stream: the "
+        "same reason as collective#0 (the one-process stand-in cannot reduce in two stages)",
     "core/engine.py::Engine.finish_reduces::record_stream#0":
         "redundant today: the carried sum is read next by the syncing micro-step's reduction, on a side stream that "
         "waits for the compute stream first, and reduce_grad's record_stream#0 records that stream, its last use; "

@@ -1,4 +1,5 @@
-"""Process groups and collectives: the only module that calls torch.distributed collectives.
+"""Process groups and collectives: with ``p2p.py`` (gloo's point-to-point batches) the only modules that call
+torch.distributed collectives.
 
 A :class:`ShardGroup` holds the shard group (size G) and, for hybrid sharding, the replica group (the ranks
 holding the same shard, size W/G), and runs the engine's collectives with the torch and backend at hand.
@@ -11,10 +12,9 @@ import atexit
 import collections
 import contextlib
 import datetime
-import itertools
 import time
 import weakref
-from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,9 @@ from ._compat import is_fake, set_group_timeout
 from .options import FlatShardOptions
 from .spans import mark_sent
 from .int8 import dequantize_blocks, quantize_for_reduction, sum_dequantized
-from .handles import DONE, Handle, bounded, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
+from .handles import DONE, Handle, followed_by, waited  # (DONE: also the tests' and benchmarks' name for it)
+from . import p2p
+from .p2p import Members
 
 
 @runtime_checkable
@@ -50,17 +52,6 @@ class Collectives(Protocol):
 # torch >= 2.13 names the single-tensor collectives *_single; older versions use *_tensor.
 _all_gather_flat: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class Members(NamedTuple):
-    """A process group as the collectives use it: the group, its size, this rank's index in it, and how many of the
-    other members run on this rank's machine (the rest send across machines)."""
-
-    group: Any
-    size: int
-    rank: int
-    on_node: int
-    p2p_timeout: Optional[datetime.timedelta] = None
 
 
 # A gloo worker thread drops a finished collective's tensors a moment after ``wait()`` returns.  If the script ends in
@@ -215,18 +206,23 @@ class ShardGroup:
                    kind: str = "other gather", in_node: bool = False):
         """Gather every rank's ``shards[i]`` into ``outputs[i]`` (rank order) as one collective: one unit's flat
         parameters, of any dtypes, over the shard group (``in_node``: its node group, hpZ).  With point-to-point, one
-        batch straight into every output's slots; else one all-gather (of several shards: packed as bytes, copied out
-        into the outputs once it completes).  ``kind`` labels the bytes sent ("forward gather", ...)."""
+        batch straight into every output's slots (hpZ's gathers over the shard group: across machines over the column
+        group, then inside the machine, ``p2p.all_gather_in_two``); else one all-gather (of several shards: packed as
+        bytes, copied out into the outputs once it completes).  ``kind`` labels the bytes sent ("forward gather")."""
         members = self.node if in_node else self.shard
         sizes = [s.numel() * s.element_size() for s in shards]
         self.bytes_gathered += sum(sizes)
+        if self.via_p2p and self.reduces_in_two_stages and not in_node:  # hpZ: each shard crosses machines once
+            self._count(kind, self.column, sum(sizes))
+            self._count(kind, self.node, self.column.size * sum(sizes))
+            return waited(p2p.all_gather_in_two(self.node, self.column, outputs, shards), async_op)
         self._count(kind, members, sum(sizes))
         if members.size == 1 and not self.collectives_at_one_rank:
             for output, shard in zip(outputs, shards):
                 output.copy_(shard)
             return DONE
         if self.via_p2p:
-            return waited(_all_gather_p2p(members, outputs, shards), async_op)
+            return waited(p2p.all_gather(members, outputs, shards), async_op)
         if len(shards) == 1:
             work = _all_gather_flat(outputs[0], shards[0], group=members.group, async_op=async_op)
             return work if async_op else DONE
@@ -277,7 +273,7 @@ class ShardGroup:
         got_q, got_scales = torch.empty_like(q), torch.empty_like(scales)
         self.bytes_reduced += q.numel() + scales.numel() * scales.element_size()
         self._count("reduction", self.shard, q.shape[1] + scales.shape[1] * scales.element_size())
-        work = _all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
+        work = p2p.all_to_all(self.shard, list(zip(got_q, got_scales)), list(zip(q, scales)), async_op)
         return followed_by(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
     @property
@@ -286,21 +282,18 @@ class ShardGroup:
         machines or more, of 2 ranks or more each (with 1, the column group is the shard group)."""
         return self.column is not None and self.node.size > 1 and not self.reduce_scatter_via_all_reduce
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True,
-                       carry: Optional[torch.Tensor] = None):
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place
-        and this rank's part copied out once the work is complete; with node groups: :meth:`_reduce_scatter_in_two`,
-        whose machine sum gets ``carry`` added before it crosses machines: :meth:`reduce_scatter_inside_machine`'s
-        sums of earlier micro-batches)."""
+        and this rank's part copied out once the work is complete; with node groups: :meth:`_reduce_scatter_in_two`)."""
+        if self.reduces_in_two_stages:  # (its first stage counts the bytes reduced)
+            return self._reduce_scatter_in_two(output, full, async_op)
         self.bytes_reduced += full.numel() * full.element_size()
-        if self.reduces_in_two_stages:
-            return self._reduce_scatter_in_two(output, full, async_op, carry)
         self._count("reduction", self.shard, output.numel() * output.element_size())
         if self.shard_size == 1 and not self.collectives_at_one_rank:
             output.copy_(full)
             return DONE
         if self.via_p2p:
-            return waited(_reduce_scatter_p2p(self.shard, [output], [full]), async_op)
+            return waited(p2p.reduce_scatter(self.shard, [output], [full]), async_op)
         if not self.reduce_scatter_via_all_reduce:
             work = _reduce_scatter_flat(output, full, group=self.shard_group, async_op=async_op)
             return work if async_op else DONE
@@ -308,44 +301,40 @@ class ShardGroup:
         return waited(Handle([work] if async_op else [], then=lambda: self.take_reduced_shard(output, full)), async_op)
 
     def reduce_scatter_inside_machine(self, partial: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Any:
-        """The first stage of :meth:`_reduce_scatter_in_two` alone (defer_cross_machine_reduce): the machine's sums of
-        the chunks this rank's column owns into ``partial`` (numel: the column group's size x a shard); nothing
-        crosses machines."""
+        """hpZ's first stage (:meth:`_reduce_scatter_in_two`): the machine's sums of the chunks this rank's column
+        owns into ``partial`` (numel: the column group's size x a shard); nothing crosses machines."""
         node, column = self.node, self.column
         self.bytes_reduced += full.numel() * full.element_size()
         self._count("reduction", node, partial.numel() * partial.element_size())
         blocks, parts = full.view(column.size, -1), partial.view(column.size, -1)
         if self.via_p2p:
-            return waited(_reduce_scatter_p2p(node, list(parts), list(blocks)), async_op)
+            return waited(p2p.reduce_scatter(node, list(parts), list(blocks)), async_op)
         works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
                  for part, block in zip(parts, blocks)]
         return Handle(works) if async_op else DONE
 
-    def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool,
-                               carry: Optional[torch.Tensor] = None) -> Any:
+    def reduce_scatter_across_machines(self, output: torch.Tensor, partial: torch.Tensor, async_op: bool = True) -> Any:
+        """hpZ's second stage: :meth:`reduce_scatter_inside_machine`'s ``partial`` reduce-scattered over the column
+        group (this rank's peers on the other machines) into ``output``, a shard."""
+        self._count("reduction", self.column, output.numel() * output.element_size())
+        if self.via_p2p:
+            return waited(p2p.reduce_scatter(self.column, [output], [partial]), async_op)
+        work = _reduce_scatter_flat(output, partial, group=self.column.group, async_op=async_op)
+        return work if async_op else DONE
+
+    def _reduce_scatter_in_two(self, output: torch.Tensor, full: torch.Tensor, async_op: bool) -> Any:
         """hpZ's reduction, exact (only the order of the sums differs): first inside the machine, then 1/N of it across
         machines (N ranks per machine, M machines in the shard group).  Shard rank k*N + i (machine k, index i) owns
         chunk k*N + i of ``full``.  (1) Over the node group, block k' of ``full`` (the chunks of machine k''s ranks)
         is reduce-scattered: index i receives the machine's sum of chunk k'*N + i, for every k' (``partial``, M
         chunks).  (2) Over the column group, ``partial`` is reduce-scattered: machine k receives the sum of chunk
         k*N + i over every machine.  Per rank, (M - 1) chunks cross machines instead of (M - 1) N: 1/N of FULL_SHARD's
-        reduction bytes.  With point-to-point (gloo) the second exchange starts when the handle is waited for."""
-        node, column, chunk = self.node, self.column, output.numel() * output.element_size()
-        self._count("reduction", node, column.size * chunk)
-        self._count("reduction", column, chunk)
-        blocks, partial = full.view(column.size, -1), output.new_empty(column.size, output.numel())
-        summed = partial.view(-1)
-        # (``carry``: the earlier micro-batches' machine sums, added before the one crossing of the step)
-        add_carry = lambda: carry is None or summed.add_(carry)  # noqa: E731
-        if self.via_p2p:
-            first = _reduce_scatter_p2p(node, list(partial), list(blocks))
-            second = lambda: (add_carry(), _reduce_scatter_p2p(column, [output], [summed]).wait())  # noqa: E731
-        else:
-            works = [_reduce_scatter_flat(part, block, group=node.group, async_op=async_op)
-                     for part, block in zip(partial, blocks)]
-            first = Handle(works if async_op else [])
-            second = lambda: (add_carry(), _reduce_scatter_flat(output, summed, group=column.group))  # noqa: E731
-        return followed_by(first, second, async_op)
+        reduction bytes.  Here the second exchange starts when the handle is waited for; the engine issues the two
+        stages itself, so that the second overlaps the backward (``engine.py``)."""
+        partial = output.new_empty(self.column.size * output.numel())
+        first = self.reduce_scatter_inside_machine(partial, full, async_op)
+        return followed_by(first, lambda: self.reduce_scatter_across_machines(output, partial, async_op=False),
+                           async_op)
 
     def take_reduced_shard(self, output: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Via all-reduce: this rank's part of the reduced ``full``, copied into ``output``."""
@@ -370,7 +359,7 @@ class ShardGroup:
                 same = (self.world_rank - self.shard_rank + peer) // self.ranks_per_node == node
                 self.sent["matrix exchange", "intra" if same else "inter"] += nbytes
                 mark_sent("matrix exchange", nbytes if same else 0, 0 if same else nbytes)
-        return _all_to_all(self.shard, outputs, inputs, async_op)
+        return p2p.all_to_all(self.shard, outputs, inputs, async_op)
 
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
         """Sum a reduced shard over the replica group (hybrid sharding only)."""
@@ -386,88 +375,6 @@ class ShardGroup:
         if size > 1:
             dist.all_reduce(tensor, op=op, group=group)
         return tensor
-
-
-def _all_gather_p2p(members: Members, outputs: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> Handle:
-    """All-gathers as one batch of sends and receives straight into the outputs' slots (safe to overlap other
-    batches: every rank posts the same transfers, matched in order per pair of ranks and tag)."""
-    ops = []
-    for output, shard in zip(outputs, shards):
-        slots = output.chunk(members.size)
-        slots[members.rank].copy_(shard)
-        for peer in range(members.size):
-            if peer != members.rank:
-                ops.append(dist.P2POp(dist.isend, shard, group=members.group, group_peer=peer, tag=1))
-                ops.append(dist.P2POp(dist.irecv, slots[peer], group=members.group, group_peer=peer, tag=1))
-    return Handle(_exchange(ops, members))
-
-
-def _reduce_scatter_p2p(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> Handle:
-    """Reduce-scatters of each ``fulls[j]`` into ``outputs[j]`` over ``members``, as one batch of sends of every
-    peer's chunk and receives of theirs copies of ours; ``wait()`` sums them into the outputs (in rank order, so every
-    rank adds in the same order)."""
-    peers = [r for r in range(members.size) if r != members.rank]
-    ops, sums = [], []
-    for output, full in zip(outputs, fulls):
-        chunks = full.chunk(members.size)
-        received = torch.empty(len(peers), output.numel(), dtype=full.dtype, device=full.device)
-        for i, peer in enumerate(peers):
-            ops.append(dist.P2POp(dist.isend, chunks[peer], group=members.group, group_peer=peer, tag=2))
-            ops.append(dist.P2POp(dist.irecv, received[i], group=members.group, group_peer=peer, tag=2))
-        parts = [chunks[r] if r == members.rank else received[peers.index(r)] for r in range(members.size)]
-        sums.append((output, parts))
-
-    def sum_into_outputs() -> None:
-        for output, parts in sums:
-            if len(parts) == 1:
-                output.copy_(parts[0])
-                continue
-            torch.add(parts[0], parts[1], out=output)  # one pass: the first part is not copied before the adds
-            for part in parts[2:]:
-                output.add_(part)
-
-    return Handle(_exchange(ops, members) if ops else [], then=sum_into_outputs)
-
-
-def _all_to_all(members: Members, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[Sequence[torch.Tensor]],
-                async_op: bool) -> Any:
-    """``inputs[r]`` (a list of tensors) to member r, whose ``outputs[s]`` (same lengths, matched in order) receives
-    what member s sent; one point-to-point batch (a rank's own list is copied)."""
-    ops = []
-    for output, source in zip(outputs[members.rank], inputs[members.rank]):
-        output.copy_(source)
-    for peer in range(members.size):
-        if peer != members.rank:
-            ops += [dist.P2POp(dist.isend, t, group=members.group, group_peer=peer, tag=3) for t in inputs[peer]]
-            ops += [dist.P2POp(dist.irecv, t, group=members.group, group_peer=peer, tag=3) for t in outputs[peer]]
-    return waited(Handle(_exchange(ops, members) if ops else []), async_op)
-
-
-# gloo moves one pair's send and receive over one socket: a large send posted before a large receive leaves the
-# other direction idle until it is written (an exchange of 6.3 MB over a 1 Gbit/s link ran at 0.52 Gbit/s each way).
-# Posted as alternating pieces both directions stay busy (0.94 Gbit/s; docs/communication.md, "The link bench").
-P2P_PIECE_BYTES = 2 << 20
-
-
-def _pieces(op: Any) -> List[Any]:
-    """``op`` as sends / receives of consecutive pieces of at most :data:`P2P_PIECE_BYTES` (both ends split a message
-    alike: its sizes are the same on both)."""
-    t = op.tensor
-    step = max(1, P2P_PIECE_BYTES // t.element_size())
-    if t.numel() <= step or not t.is_contiguous():
-        return [op]
-    return [dist.P2POp(op.op, piece, group=op.group, group_peer=op.group_peer, tag=op.tag)
-            for piece in t.view(-1).split(step)]
-
-
-def _exchange(ops: List[Any], members: Members) -> List[Any]:
-    """``dist.batch_isend_irecv(ops)`` with large messages in pieces, sends and receives alternating (each keeps its
-    order, which is what matches them per pair and tag); each work's wait bounded by ``members.p2p_timeout``."""
-    sends = [piece for op in ops if op.op is dist.isend for piece in _pieces(op)]
-    receives = [piece for op in ops if op.op is not dist.isend for piece in _pieces(op)]
-    alternating = [op for pair in itertools.zip_longest(sends, receives) for op in pair if op is not None]
-    works = dist.batch_isend_irecv(alternating)
-    return works if members.p2p_timeout is None else [bounded(w, members.p2p_timeout) for w in works]
 
 
 def _spans_the_world(group: dist.ProcessGroup) -> bool:

@@ -11,7 +11,9 @@ section 5 says how they differ and what the bookkeeping (gathers in flight, pend
   sum alone (bitwise the same: each factor is an exact scaling; one pass over a shard, not over every full gradient).
 * Hybrid sharding: the replica all-reduce follows the reduce-scatter (``adapter.after``): on CUDA it is issued at
   once on its own stream behind the reduce-scatter's event, so it does not serialise the next unit's
-  reduce-scatter; on gloo it is issued once the reduce-scatter is done.
+  reduce-scatter; on gloo it is issued once the reduce-scatter is done.  hpZ's reduction is issued the same way:
+  its first stage (inside the machine) as the reduce-scatter, its second (across machines) as the replica stage, so
+  that the slow one runs behind the next units' backward instead of blocking it.
 * Deferred reductions (``defer_cross_machine_reduce``, FSDP2's ``set_requires_all_reduce(False)``): a micro-batch
   reduces only inside the shard group (hybrid) or the machine (hpZ's first stage); the partial sums are carried
   (``_carried``, a shard, or 1/N of the gradient with hpZ) and added in before the syncing micro-batch's one
@@ -30,7 +32,7 @@ import torch
 from .comm import Collectives
 from .device import ADAPTER, CudaStreams, HostAdapter
 from .flat_param import FlatParameter
-from .handles import Handle, issued, start, wait_for
+from .handles import Handle, followed_by, issued, start, wait_for
 from .int8 import quantize_blocks
 from .offload import HostOffload
 from .options import FlatShardOptions
@@ -102,7 +104,8 @@ class Engine:
         self.postdivide = self.group.world_size / self.predivide
         self.all_gather_stream = streams.side_stream("all_gather")
         self.reduce_scatter_stream = streams.side_stream("reduce_scatter")
-        self.replica_stream = streams.side_stream("replica_all_reduce") if self.group.is_hybrid else None
+        # the reduction's stage across machines: hybrid's replica all-reduce, hpZ's second stage
+        self.replica_stream = streams.side_stream("replica_all_reduce") if self.can_defer_cross_machine else None
         if self.offload is not None:
             self.offload.streams = streams
 
@@ -238,21 +241,19 @@ class Engine:
             s.wait_stream(self.reduce_scatter_stream, s.compute_stream())
             quantized = self.quantized_reduce  # (int8 through an all-to-all, summed in float32)
             two_stages = self._reduces_in_two_stages
-            # hpZ deferred: the machine's sums of this rank's column's chunks (column size x a shard)
-            numel = flat.layout.shard_numel * (self.group.column.size if deferred and two_stages else 1)
             carry = None if deferred else self._carried.pop(flat, None)  # (added once: popped)
             with s.on(self.reduce_scatter_stream):
-                shard_out = torch.empty(numel, dtype=torch.float32 if quantized else dtype, device=full.device)
+                # hpZ's first stage: the machine's sums of this rank's column's chunks (column size x a shard);
+                # deferred, they are the result (carried), else the second stage's input
+                partial = torch.empty(flat.layout.shard_numel * self.group.column.size, dtype=dtype,
+                                      device=full.device) if two_stages else None
+                shard_out = partial if deferred and two_stages else torch.empty(
+                    flat.layout.shard_numel, dtype=torch.float32 if quantized else dtype, device=full.device)
             if carry is not None:
-                s.record_stream(carry, self.replica_stream if self.group.is_hybrid and not two_stages
-                                else self.reduce_scatter_stream)
-            if deferred and two_stages:
-                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
+                s.record_stream(carry, self.replica_stream)
+            if two_stages:
+                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=partial, full=full:
                                       self.group.reduce_scatter_inside_machine(out, full, async_op=async_op))
-            elif two_stages:
-                handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full, c=carry:
-                                      self.group.reduce_scatter(out, full, async_op=async_op, carry=c))
-                carry = None  # (added by the second stage)
             elif quantized:  # (fp16 loss scaling: an overflow arrives as nan, so the grad scaler skips the step)
                 fp16 = getattr(self.mixed_precision, "param_dtype", None) == torch.float16
                 handle = s.collective(self.reduce_scatter_stream, lambda async_op, out=shard_out, full=full:
@@ -267,7 +268,22 @@ class Engine:
         if deferred:
             self._reduces.append(r)  # (finish_reduces carries it: no replica all-reduce, no offload copy)
             return
-        if self.group.is_hybrid:
+        if two_stages:
+            # hpZ's stage across machines, issued once the first is done (gloo: when it is completed, so that it
+            # runs behind the next units' backward instead of blocking it; CUDA: at once, behind its event)
+            def across_machines(async_op: bool) -> Any:
+                if carry is not None:  # the earlier micro-batches' machine sums: one crossing for the step
+                    partial.add_(carry)
+                s.record_stream(partial, self.replica_stream)  # allocated on the reduce-scatter stream
+                work = self.group.reduce_scatter_across_machines(r.shard_out, partial, async_op=async_op)
+                if not self.group.is_hybrid:
+                    return work
+                # hpZ shard groups of hybrid sharding: the replicas' all-reduce follows (gloo: when waited for)
+                return followed_by(work, lambda: self.group.all_reduce_replicas(r.shard_out, async_op=False),
+                                   async_op)
+
+            r.replicas = s.after(r.reduced, self.replica_stream, across_machines)
+        elif self.group.is_hybrid:
             def all_reduce_replicas(async_op: bool) -> Any:
                 if carry is not None:  # the earlier micro-batches' partial sums: one all-reduce for the step
                     r.shard_out.add_(carry)
