@@ -212,7 +212,7 @@ class ShardGroup:
         members = self.node if in_node else self.shard
         sizes = [s.numel() * s.element_size() for s in shards]
         self.bytes_gathered += sum(sizes)
-        if self.via_p2p and self.reduces_in_two_stages and not in_node:  # hpZ: each shard crosses machines once
+        if self.via_p2p and self.crosses_in_two_stages and not in_node:  # hpZ: each shard crosses machines once
             self._count(kind, self.column, sum(sizes))
             self._count(kind, self.node, self.column.size * sum(sizes))
             return waited(p2p.all_gather_in_two(self.node, self.column, outputs, shards), async_op)
@@ -277,10 +277,17 @@ class ShardGroup:
         return followed_by(work, lambda: sum_dequantized(got_q, got_scales, block, output), async_op)
 
     @property
+    def crosses_in_two_stages(self) -> bool:
+        """Whether the shard group's collectives cross machines over the column group and run the rest inside the
+        machine (hpZ): a shard group over 2 machines or more, of 2 ranks or more each (with 1, the column group is the
+        shard group)."""
+        return self.column is not None and self.node.size > 1
+
+    @property
     def reduces_in_two_stages(self) -> bool:
-        """Whether :meth:`reduce_scatter` sums inside the machine first, then 1/N across (hpZ): a shard group over 2
-        machines or more, of 2 ranks or more each (with 1, the column group is the shard group)."""
-        return self.column is not None and self.node.size > 1 and not self.reduce_scatter_via_all_reduce
+        """Whether :meth:`reduce_scatter` sums inside the machine first, then 1/N across (:attr:`crosses_in_two_stages`,
+        unless reductions run as all-reduces)."""
+        return self.crosses_in_two_stages and not self.reduce_scatter_via_all_reduce
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True):
         """Sum ``full`` over the shard group into this rank's ``output`` (via all-reduce: ``full`` is reduced in place

@@ -74,7 +74,7 @@ def all_gather_in_two(node: Members, column: Members, outputs: Sequence[torch.Te
         for work in exchange(ops, node):
             work.wait()
 
-    return Handle(exchange(first, column) if first else [], then=inside_the_machine)
+    return Handle(exchange(first, column), then=inside_the_machine)  # (a column has 2 machines or more)
 
 
 def reduce_scatter(members: Members, outputs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]) -> Handle:
